@@ -1,0 +1,212 @@
+"""Advantage estimators: token-level rewards → (advantages, returns).
+
+Notation: B samples (= prompts × G), G samples per prompt, T response tokens.
+
+Every estimator has the signature
+    fn(token_level_rewards [B,T], response_mask [B,T], index [B], *, values [B,T] | None = None,
+       gamma = 1.0, lam = 1.0, <own keyword options>) -> ((advantages [B,T], returns [B,T]), metrics)
+and runs without gradient. Outcome estimators use the sequence score
+``token_level_rewards.sum(-1)`` and broadcast one advantage over the response tokens. In every
+group-relative estimator a group of size 1 has no baseline and gets advantage 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engines.algorithms.groups import group_stats
+from engines.algorithms.normalize import masked_whiten
+from engines.algorithms.registry import register_advantage
+
+Result = tuple[tuple[Tensor, Tensor], dict[str, float]]
+
+
+def _discounted_returns(token_level_rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """Return-to-go G_t = r_t + γ G_{t+1}, restarted after masked tokens (verl REINFORCE++).
+    [B,T] → [B,T]."""
+    mask = response_mask.float()
+    returns = torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    running = torch.zeros(token_level_rewards.shape[0], device=token_level_rewards.device)  # [B]
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = token_level_rewards[:, t].float() + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns
+
+
+@register_advantage("grpo")
+@torch.no_grad()
+def grpo(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> Result:
+    """GRPO, Shao et al. 2024 (DeepSeekMath, arXiv 2402.03300); Dr.GRPO with ``norm_by_std=False``
+    (Liu et al. 2025, arXiv 2503.20783).
+
+    A_i = (s_i − mean_g(s)) / (std_g(s) + ε)   (or s_i − mean_g(s) without std), s_i = Σ_t r_{i,t},
+    std unbiased; the same A_i on every response token. returns = advantages.
+    """
+    mask = response_mask.float()
+    scores = token_level_rewards.float().sum(-1)                       # [B]
+    mean, std, size = group_stats(scores, index)                       # [B] each
+    centred = scores - mean                                            # [B]; 0 in groups of size 1
+    adv = centred / (std + epsilon) if norm_by_std else centred        # [B]
+    advantages = adv.unsqueeze(-1) * mask                              # [B,T]
+    solo_or_flat = (size < 2) | (std == 0)
+    metrics = {"advantage/frac_zero_std_samples": float(solo_or_flat.float().mean())}
+    return (advantages, advantages), metrics
+
+
+@register_advantage("rloo")
+@torch.no_grad()
+def rloo(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Result:
+    """RLOO, REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740; Kool et al. 2019).
+
+    A_i = s_i − (Σ_{j≠i} s_j)/(G−1) = G/(G−1) · (s_i − mean_g(s)), broadcast over tokens.
+    """
+    mask = response_mask.float()
+    scores = token_level_rewards.float().sum(-1)                       # [B]
+    mean, _, size = group_stats(scores, index)                         # [B]
+    adv = (scores - mean) * size / (size - 1).clamp(min=1.0)           # [B]; 0 when size == 1
+    advantages = adv.unsqueeze(-1) * mask                              # [B,T]
+    return (advantages, advantages), {}
+
+
+@register_advantage("reinforce")
+@torch.no_grad()
+def reinforce(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    baseline: str = "batch",
+    ema_baseline: float | None = None,
+    ema_decay: float = 0.9,
+) -> Result:
+    """REINFORCE with a scalar baseline (Williams 1992; ReMax-style batch baseline).
+
+    A_{i,t} = G_{i,t} − b, with G_{i,t} = Σ_{k≥t} γ^{k−t} r_{i,k} the return-to-go.
+      baseline="batch": b = mean_i(s_i) over the batch.
+      baseline="ema":   b = ``ema_baseline`` (the value carried from earlier batches; the batch
+                        mean on the first call), and the new value
+                        ``decay·b + (1−decay)·mean_i(s_i)`` is returned in
+                        ``metrics["advantage/ema_baseline"]`` for the caller to keep.
+    returns = G.
+    """
+    if baseline not in ("batch", "ema"):
+        raise ValueError(f"reinforce baseline {baseline!r} is not one of ['batch', 'ema']")
+    mask = response_mask.float()
+    returns = _discounted_returns(token_level_rewards, mask, gamma)    # [B,T]
+    batch_mean = float(token_level_rewards.float().sum(-1).mean())
+    metrics: dict[str, float] = {}
+    if baseline == "ema" and ema_baseline is not None:
+        b = float(ema_baseline)
+        metrics["advantage/ema_baseline"] = ema_decay * b + (1.0 - ema_decay) * batch_mean
+    else:
+        b = batch_mean
+        if baseline == "ema":
+            metrics["advantage/ema_baseline"] = batch_mean
+    metrics["advantage/baseline"] = b
+    advantages = (returns - b) * mask                                  # [B,T]
+    return (advantages, returns * mask), metrics
+
+
+@register_advantage("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Result:
+    """REINFORCE++, Hu 2025 (arXiv 2501.03262): discounted return-to-go whitened over the batch.
+
+    A = whiten_batch(G) with G_{i,t} = Σ_{k≥t} γ^{k−t} r_{i,k}; returns = G.
+    """
+    mask = response_mask.float()
+    returns = _discounted_returns(token_level_rewards, mask, gamma)    # [B,T]
+    advantages = masked_whiten(returns, mask) * mask                   # [B,T]
+    return (advantages, returns * mask), {}
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> Result:
+    """REINFORCE++-baseline, Hu 2025 (arXiv 2501.03262 v3+): subtract the group mean, then whiten
+    over the batch. A = whiten_batch(s_i − mean_g(s)) broadcast over tokens; returns = A.
+    """
+    mask = response_mask.float()
+    scores = token_level_rewards.float().sum(-1)                       # [B]
+    mean, _, _ = group_stats(scores, index)                            # [B]
+    centred = (scores - mean).unsqueeze(-1) * mask                     # [B,T]
+    advantages = masked_whiten(centred, mask) * mask                   # [B,T]
+    return (advantages, advantages), {}
+
+
+@register_advantage("gae")
+@torch.no_grad()
+def gae(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> Result:
+    """GAE, Schulman et al. 2016 (arXiv 1506.02438), as used by PPO for LLMs (Ouyang et al. 2022).
+
+    δ_t = r_t + γ V_{t+1} − V_t,  A_t = δ_t + γλ A_{t+1},  returns = A + V, then A is whitened
+    over the batch (``whiten=True``, as verl does). V after the last token is 0. Masked tokens
+    are skipped: value and advantage are carried across them (multi-turn loss masks).
+    values [B,T] is required.
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values [B,T]; got values=None")
+    mask = response_mask.float()
+    rewards, values = token_level_rewards.float(), values.float()
+    B, T = rewards.shape
+    next_value = torch.zeros(B, device=rewards.device)                 # [B]
+    next_adv = torch.zeros(B, device=rewards.device)                   # [B]
+    advantages = torch.zeros_like(rewards)                             # [B,T]
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]      # [B]
+        adv_t = delta + gamma * lam * next_adv                         # [B]
+        advantages[:, t] = adv_t
+        next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
+        next_adv = torch.where(mask[:, t] > 0, adv_t, next_adv)
+    returns = (advantages + values) * mask                             # [B,T]
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return (advantages * mask, returns), {}

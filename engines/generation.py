@@ -1,0 +1,133 @@
+"""Generation engines behind one small Protocol.
+
+`hf` (transformers `generate`, KV cache, batched, left padding) is the embedded default and runs
+anywhere. An engine takes token ids in and gives token ids + per-token behaviour log-probs out,
+so the training sequence is exactly what the policy produced (no re-tokenisation drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1                      # samples per prompt (G)
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    max_new_tokens: int = 32
+    stop: tuple[str, ...] = ()      # stop strings, in addition to EOS
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    prompt_index: int               # which prompt of the batch
+    sample_index: int               # 0..n-1
+    token_ids: list[int]            # response tokens, EOS included when generated
+    logprobs: list[float]           # behaviour log-prob of each token, under the sampling distribution
+    finish_reason: str              # "stop" (EOS or stop string) | "length"
+    text: str = field(default="")
+
+
+class GenerationEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def load_weights(self, model_dir: str) -> None: ...
+
+
+class HFGenerationEngine:
+    """transformers `generate` on one process; `micro_batch` prompts × n samples per call."""
+
+    def __init__(self, model, tokenizer, micro_batch: int = 64):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.micro_batch = micro_batch
+
+    def load_weights(self, model_dir: str) -> None:
+        """In-place weight update from a model directory (same architecture), no engine restart."""
+        from safetensors.torch import load_file
+        import glob
+        import os
+
+        state = {}
+        for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+        if missing or unexpected:
+            raise ValueError(f"weights in {model_dir} do not match the engine's model: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        out: list[Completion] = []
+        for start in range(0, len(prompt_token_ids), self.micro_batch):
+            chunk = prompt_token_ids[start : start + self.micro_batch]
+            out.extend(self._generate_chunk(chunk, params, offset=start))
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int) -> list[Completion]:
+        tok = self.tokenizer
+        pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompts):  # left padding
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
+        greedy = params.temperature <= 0
+        n_return = params.n
+        if greedy and params.n > 1:  # transformers refuses num_return_sequences > 1 without sampling
+            input_ids = input_ids.repeat_interleave(params.n, dim=0)
+            attention = attention.repeat_interleave(params.n, dim=0)
+            n_return = 1
+        if params.seed is not None:
+            torch.manual_seed(params.seed + offset)
+        gen = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy or params.top_k == 0 else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=n_return,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+            stop_strings=list(params.stop) or None,
+            tokenizer=tok if params.stop else None,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        seqs = gen.sequences[:, width:]                                       # [B*n, T]
+        logits = torch.stack(gen.logits, dim=1).float()                       # [B*n, T, V]
+        if not greedy:
+            logits = logits / params.temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)  # [B*n, T]
+        completions = []
+        for row in range(seqs.shape[0]):
+            ids = seqs[row].tolist()
+            finish, end = "length", len(ids)
+            if eos_id in ids:
+                end, finish = ids.index(eos_id) + 1, "stop"
+            if params.stop:  # a stop string ends the response at the token that completed it
+                for k in range(1, end + 1):
+                    if any(s in tok.decode(ids[:k], skip_special_tokens=True) for s in params.stop):
+                        end, finish = k, "stop"
+                        break
+            text = tok.decode(ids[:end], skip_special_tokens=True)
+            completions.append(
+                Completion(
+                    prompt_index=offset + row // params.n,
+                    sample_index=row % params.n,
+                    token_ids=ids[:end],
+                    logprobs=logp[row, :end].tolist(),
+                    finish_reason=finish,
+                    text=text,
+                )
+            )
+        return completions

@@ -1,0 +1,87 @@
+"""Models and tokenizers without a model hub.
+
+`build_tiny_policy` makes a character-level tokenizer and a small Qwen2-architecture causal LM
+from nothing (seconds on a CPU); `load_policy` / `save_policy` read and write any Hugging Face
+model directory (safetensors + tokenizer + config), so a real model (e.g. SmolLM2) drops in by
+path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+CHARSET = string.digits + string.ascii_lowercase + "+-*/=()<> ,.:?\n"
+
+
+def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
+    """One token per character of `charset`, plus <pad>, <eos>, <unk>. Saved/loaded as a normal HF tokenizer."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in charset:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every char is a token
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_tiny_policy(
+    hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, max_positions: int = 256, seed: int = 0
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """A randomly initialised tiny Qwen2 causal LM and its character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def load_policy(path: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local Hugging Face model directory (the caller fetches remote URIs)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist (expected a Hugging Face model dir)")
+    tok_cfg = os.path.join(path, "tokenizer_config.json")
+    tok_class = None
+    if os.path.isfile(tok_cfg):
+        with open(tok_cfg) as f:
+            tok_class = json.load(f).get("tokenizer_class")
+    if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        # the saved tokenizer.json as is: AutoTokenizer would rebuild a Qwen2Tokenizer for model_type qwen2
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer
+
+
+def save_policy(model, tokenizer, path: str) -> str:
+    """Write safetensors shards + config + tokenizer to `path`; returns `path`."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

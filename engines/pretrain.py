@@ -1,0 +1,55 @@
+"""Supervised bootstrap: a few hundred steps of next-token training on (prompt, response) pairs.
+
+Used to make the embedded tiny policy from nothing (and to pre-train it on solved episodes for
+agentic presets). Loss only on response tokens (the prompt is context), EOS appended.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from engines.batching import collate, response_logprobs
+
+
+def supervised_finetune(
+    model,
+    tokenizer,
+    pairs: list[tuple[str, str]],
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, float]:
+    """Train `model` in place on `pairs` for `steps` AdamW steps (cosine LR); returns final metrics."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    encoded = [
+        (tokenizer(p, add_special_tokens=False)["input_ids"], tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        for p, r in pairs
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    t0, loss_ema = time.perf_counter(), None
+    for step in range(steps):
+        rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        batch = collate([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_token_id)
+        logp, _ = response_logprobs(model, batch)
+        loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        value = loss.item()
+        loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+        if on_step is not None:
+            on_step(step, value)
+    model.eval()
+    return {"bootstrap/loss": loss_ema or 0.0, "bootstrap/steps": float(steps), "bootstrap/seconds": time.perf_counter() - t0}

@@ -1,0 +1,75 @@
+"""Reward functions, routed per domain, and the isolation every reward call runs under.
+
+A reward function is a plain typed function `fn(response: str, sample: dict) -> float`. Domains
+map to functions by name in `REWARDS`; add one with `@register_reward("name")` in one file.
+
+`score_isolated` runs one call with a timeout: a raise or a timeout costs only that sample
+(reward 0.0, the error kept in `reward_error`). A call that hangs leaves its thread behind, so the
+caller (the reward-worker actor) reports `tainted=True` and is replaced after its batch; a call
+that kills the whole process is handled one level up, where the task re-scores that worker's
+samples one by one in fresh workers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engines.synthetic import exact_match_reward
+
+RewardFn = Callable[[str, dict], float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str):
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+register_reward("arithmetic")(exact_match_reward)
+register_reward("reverse")(exact_match_reward)
+register_reward("exact_match")(exact_match_reward)
+
+# Domain rewards with optional dependencies register lazily: name -> "module:function".
+_LAZY = {
+    "math": "engines.rewards.math:math_reward",
+    "code": "engines.rewards.code:code_reward",
+    "format": "engines.rewards.fmt:format_reward",
+}
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in REWARDS and name in _LAZY:
+        module, fn = _LAZY[name].split(":")
+        REWARDS[name] = getattr(importlib.import_module(module), fn)
+    if name not in REWARDS:
+        raise KeyError(f"no reward function for domain {name!r}; registered: {sorted(set(REWARDS) | set(_LAZY))}")
+    return REWARDS[name]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    reward: float
+    error: str | None      # None, or what went wrong ("timeout after 5.0s", "ValueError: ...")
+    seconds: float
+
+
+def score_isolated(fn: RewardFn, response: str, sample: dict, timeout_s: float, pool: cf.ThreadPoolExecutor) -> tuple[RewardResult, bool]:
+    """(result, hung): run `fn` in `pool` with a timeout; never raises."""
+    t0 = time.perf_counter()
+    fut = pool.submit(fn, response, sample)
+    try:
+        value = float(fut.result(timeout=timeout_s))
+        if value != value:  # NaN
+            raise ValueError("reward is NaN")
+        return RewardResult(value, None, time.perf_counter() - t0), False
+    except cf.TimeoutError:
+        return RewardResult(0.0, f"timeout after {timeout_s}s", time.perf_counter() - t0), True
+    except Exception as e:  # noqa: BLE001 -- any reward bug costs only this sample
+        return RewardResult(0.0, f"{type(e).__name__}: {e}"[:500], time.perf_counter() - t0), False

@@ -1,0 +1,50 @@
+"""Code reward: run the response's program against the sample's tests in the sandbox.
+
+`code_reward(response, sample)`: the program is the last ```python fenced block of the response
+(else the whole text); `sample["tests"]` runs after it in the same namespace (see
+`engines.sandbox.split_tests` for the accepted forms). 1.0 when every test passed; with
+`sample["metadata"]["partial_credit"]`, the fraction of tests passed; 0.0 for a program that the
+sandbox refused (verdict "forbidden"), whatever it passed.
+
+metadata keys read: partial_credit (bool), entry_point (HumanEval: appends `check(entry_point)`
+when the tests define `check` but never call it), timeout_s (default 5), memory_mb (default 512).
+"""
+
+from __future__ import annotations
+
+import re
+
+from engines.sandbox import run_program
+
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(response: str) -> str:
+    """The last ```python (or ```py) fenced block; else the last unlabelled fenced block; else
+    the whole response."""
+    blocks = _FENCE.findall(response or "")
+    labelled = [body for lang, body in blocks if lang]
+    if labelled:
+        return labelled[-1]
+    if blocks:
+        return blocks[-1][1]
+    return response or ""
+
+
+def code_reward(response: str, sample: dict) -> float:
+    """Sandboxed test pass rate of the program in `response`: 1.0 / fraction / 0.0 (see module)."""
+    tests = sample.get("tests")
+    if not tests:
+        raise KeyError("code_reward: sample has no 'tests'; expected assert lines or a check() harness")
+    meta = sample.get("metadata") or {}
+    entry = meta.get("entry_point") or sample.get("entry_point")
+    if isinstance(tests, str) and entry and re.search(r"^def check\(", tests, re.M) \
+            and not re.search(r"^check\(", tests, re.M):
+        tests = f"{tests}\n\ncheck({entry})\n"
+    v = run_program(extract_program(response), tests=tests,
+                    timeout_s=float(meta.get("timeout_s", 5.0)), memory_mb=int(meta.get("memory_mb", 512)))
+    if v.verdict == "passed":
+        return 1.0
+    if v.verdict != "forbidden" and meta.get("partial_credit") and v.tests_total:
+        return (v.tests_passed or 0) / v.tests_total
+    return 0.0

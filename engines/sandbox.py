@@ -1,0 +1,661 @@
+"""Run model-written Python in a sandbox and return a `Verdict`.
+
+Every program runs in a fresh process tree, in its own session, in a fresh temporary working
+directory, with a scrubbed environment, and is SIGKILLed (with everything it started) at the
+wall-clock timeout. The layers, strongest first (docs/sandbox.md says what each one stops and
+what none of them stops):
+
+1. Kernel namespaces via util-linux `unshare`: a new network namespace (no interfaces up, not even
+   loopback), a new PID namespace (the sandbox sees and can signal only its own processes; they
+   all die when its init dies) and a new mount namespace with its own /proc.
+2. Kernel credentials, when the host runs as root: `setpriv` drops to a random unprivileged uid/gid
+   with no supplementary groups and no_new_privs, so only world-writable paths can be written.
+3. Kernel resource limits (`setrlimit` in the sandbox before any model code runs): CPU seconds,
+   address space, file size, process count, no core files, open files.
+4. The host side: wall-clock timeout, SIGKILL of the process group and of every process of the
+   sandbox uid, stdout/stderr read incrementally and capped, the work dir removed.
+5. An audit hook (PEP 578) inside the sandboxed interpreter: refuses writes outside the work dir,
+   running other programs, forking beyond the budget, sockets, signals to foreign processes,
+   reading credential files, and importing ctypes. Bypassable by native code; layers 1-3 are
+   what holds then.
+
+The sandboxed interpreter is `python -I -B -c _BOOTSTRAP`: its init process (the supervisor)
+sets the limits, forks one worker that installs the audit hook and runs the program and then the
+tests, waits for it and reports its exit status. Results come back on a private report pipe as
+JSON lines; the ones that count towards "passed" carry a per-run nonce.
+
+    flyroll sandbox PROGRAM.py [--tests TESTS.py] [--timeout S] [--memory-mb M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+VERDICTS = ("passed", "failed", "timeout", "memory", "crashed", "forbidden")
+_REPORT_CAP = 1 << 20          # bytes of report-pipe traffic kept; the rest is dropped
+_SECRET_HOME_PATHS = (".aws", ".ssh", ".kube", ".docker", ".netrc", ".git-credentials", ".pgpass",
+                      ".config/gcloud", ".azure", ".flyte", ".config/flyte", ".mlflow", ".pypirc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Outcome of one sandboxed run.
+
+    verdict: passed    exit 0 and, with tests, every test passed
+             failed    ran to the end but a test failed, or exited non-zero / before the tests ran
+             timeout   wall clock or CPU limit exceeded (the whole process tree was killed)
+             memory    MemoryError under the address-space limit, or killed by the OOM killer
+             crashed   uncaught exception in the program (not in a test), syntax error, or a fatal
+                       signal (segfault, abort)
+             forbidden the audit hook refused an operation (even if the program caught the error)
+    exit_code: the program's exit status; -N when it died of signal N; None when it never reported.
+    tests_passed / tests_total: None without tests.
+    """
+
+    verdict: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    max_rss_mb: float
+    tests_passed: int | None = None
+    tests_total: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs inside the sandbox. Kept self-contained: it is passed as `python -I -B -c`, so it
+# sees neither this package nor the caller's environment.
+_BOOTSTRAP = r'''
+import json, os, resource, sys
+
+def _main():
+    cfg_fd, rep_fd = int(sys.argv[1]), int(sys.argv[2])
+    chunks = []
+    while True:
+        b = os.read(cfg_fd, 1 << 16)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(cfg_fd)
+    cfg = json.loads(b"".join(chunks))
+    nonce = cfg.pop("nonce")
+
+    def report(event, **kw):
+        kw["event"] = event
+        try:
+            os.write(rep_fd, (json.dumps(kw) + "\n").encode())
+        except OSError:
+            pass
+
+    for name, soft, hard in cfg["rlimits"]:
+        try:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        except (ValueError, OSError) as e:
+            report("setup_error", what="setrlimit %s: %s" % (name, e))
+            os._exit(70)
+
+    # Supervisor: fork the worker, wait, report its status. In a PID namespace this process is
+    # init, so the kernel kills every other sandbox process when it exits.
+    try:
+        worker = os.fork()
+    except OSError as e:
+        report("setup_error", what="fork worker: %s" % e)
+        os._exit(70)
+    if worker:
+        while True:
+            try:
+                pid, status, ru = os.wait4(worker, 0)
+                break
+            except InterruptedError:
+                continue
+        if os.WIFSIGNALED(status):
+            code = -os.WTERMSIG(status)
+        else:
+            code = os.WEXITSTATUS(status)
+        report("exit", nonce=nonce, code=code, maxrss_kb=ru.ru_maxrss,
+               cpu_s=ru.ru_utime + ru.ru_stime)
+        os._exit(code if code >= 0 else 128 - code)
+    _worker(cfg, nonce, report)
+
+
+def _worker(cfg, nonce, report):
+    import _posixsubprocess, socket, threading, traceback
+    work = os.path.realpath(cfg["workdir"])
+    secret = tuple(cfg["secret_paths"])
+    in_pidns = cfg["pidns"]
+    budget = [cfg["fork_budget"]]
+    blocked_imports = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess"}
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    dev_ok = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty", "/dev/zero")
+    path_events = {"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
+                   "os.utime", "os.mkfifo", "os.mknod", "os.chflags", "os.lchflags",
+                   "os.setxattr", "os.removexattr", "shutil.rmtree", "os.chroot"}
+    two_path_events = {"os.rename", "os.link", "os.symlink", "shutil.copyfile", "shutil.copytree",
+                       "shutil.move"}
+    exec_events = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
+                   "pty.spawn", "os.startfile"}
+    net_events = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
+                  "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
+                  "socket.getnameinfo"}
+    local = threading.local()
+
+    def forbid(what):
+        report("forbidden", what=str(what)[:300])
+        raise PermissionError("sandbox: forbidden: %s" % (what,))
+
+    def resolve(p):
+        p = os.fsdecode(p)
+        return os.path.realpath(os.path.join(os.getcwd(), p))
+
+    def inside(p):
+        if isinstance(p, int):
+            return True
+        raw = os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(p)))
+        if raw in dev_ok or raw.startswith("/proc/self/fd/"):
+            return True
+        r = resolve(p)
+        return r == work or r.startswith(work + os.sep)
+
+    def is_descendant(pid):
+        me = os.getpid()
+        for _ in range(64):
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+        return False
+
+    def check_read(p):
+        r = resolve(p)
+        if any(r == s or r.startswith(s + os.sep) for s in secret):
+            forbid("read %s" % r)
+        if not in_pidns and r.startswith("/proc/"):
+            part = r.split("/")[2]
+            if part.isdigit() and int(part) != os.getpid():
+                forbid("read %s" % r)
+
+    def check(event, args):
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):
+                return
+            writing = bool(mode and any(c in mode for c in "wax+")) or bool(flags and flags & write_flags)
+            if writing:
+                if not inside(path):
+                    forbid("write %s" % os.fsdecode(path))
+            else:
+                check_read(path)
+        elif event in path_events:
+            if args and not inside(args[0]):
+                forbid("%s %s" % (event, args[0]))
+        elif event in two_path_events:
+            for p in args[:2]:
+                if event == "os.symlink" and p is args[0]:
+                    continue  # the link target may point anywhere; writes through it are checked
+                if isinstance(p, (str, bytes, os.PathLike)) and not inside(p):
+                    forbid("%s %s" % (event, p))
+        elif event in ("os.fork", "os.forkpty"):
+            if budget[0] <= 0:
+                forbid("fork beyond the process limit")
+            budget[0] -= 1
+        elif event in exec_events:
+            forbid("%s (running other programs)" % event)
+        elif event == "os.kill":
+            pid = args[0]
+            if pid <= 0 or not is_descendant(pid):
+                forbid("os.kill(%s) of a process outside the sandbox" % pid)
+        elif event == "os.killpg":
+            forbid("os.killpg(%s)" % args[0])
+        elif event == "socket.__new__":
+            if args[1] != socket.AF_UNIX:
+                forbid("socket(family=%s)" % args[1])
+        elif event in net_events:
+            forbid("%s %r" % (event, args[:2]))
+        elif event == "import":
+            if args[0].split(".")[0] in blocked_imports:
+                forbid("import %s" % args[0])
+
+    def hook(event, args):
+        if getattr(local, "busy", False):
+            return
+        local.busy = True
+        try:
+            check(event, args)
+        finally:
+            local.busy = False
+
+    def no_fork_exec(*a, **k):
+        forbid("_posixsubprocess.fork_exec (running other programs)")
+
+    os.register_at_fork(after_in_child=lambda: budget.__setitem__(0, 0))
+    src_name = os.path.join(work, "program.py")
+    try:
+        program = compile(cfg["program"], src_name, "exec")
+        tests = [(compile(src, "<tests>", "exec"), kind) for src, kind in cfg["tests"] or []]
+    except (SyntaxError, ValueError):
+        traceback.print_exc()
+        report("program_error", nonce=nonce, what="syntax")
+        sys.exit(1)
+    main = type(sys)("__main__")          # a fresh __main__, so pickle finds the program's names
+    main.__file__, main.__builtins__ = src_name, __builtins__
+    sys.modules["__main__"] = main
+    glb = main.__dict__
+    sys.argv = [src_name]
+    sys.dont_write_bytecode = True
+    def no_new_session(*a, **k):
+        forbid("leaving the process group (setsid/setpgid)")
+
+    _posixsubprocess.fork_exec = no_fork_exec
+    import posix
+    for mod in (os, posix):     # keep every process in the group the host SIGKILLs
+        mod.setsid = mod.setpgid = mod.setpgrp = no_new_session
+    cfg = None
+    sys.addaudithook(hook)
+
+    try:
+        exec(program, glb)
+    except SystemExit as e:
+        if e.code not in (None, 0) or not tests:
+            raise
+    except MemoryError:
+        report("memory", nonce=nonce)
+        sys.stderr.write("MemoryError\n")
+        os._exit(1)
+    except BaseException:
+        traceback.print_exc()
+        report("program_error", nonce=nonce)
+        sys.stderr.flush()
+        os._exit(1)
+    if not tests:
+        return
+    passed, total, broken = 0, sum(k == "test" for _, k in tests), False
+    for i, (code, kind) in enumerate(tests):
+        if broken:
+            break
+        try:
+            exec(code, glb)
+        except MemoryError:
+            report("memory", nonce=nonce)
+            broken = kind == "setup"
+        except BaseException as e:
+            sys.stderr.write("test %d failed: %s: %s\n" % (i, type(e).__name__, str(e)[:500]))
+            broken = kind == "setup"
+        else:
+            if kind == "test":
+                passed += 1
+                report("test", nonce=nonce, ok=True)
+    sys.stdout.flush()
+    report("done", nonce=nonce, passed=passed, total=total)
+
+_main()
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# Isolation probing (once per process).
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """Which kernel layers this host gives the sandbox. See `isolation()`."""
+
+    mode: str                  # "root-ns" | "userns" | "plain"
+    prefix: tuple[str, ...]    # command prefix (before the uid drop) that enters the namespaces
+    drop_uid: bool             # setpriv to a random unprivileged uid (host runs as root)
+    pidns: bool                # PID + network + mount namespace in effect
+
+
+_NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+
+
+def _probe(cmd: list[str]) -> bool:
+    check = "import fractions, json, resource, socket, threading, traceback; print('ok')"
+    try:
+        r = subprocess.run(cmd + [sys.executable, "-I", "-B", "-c", check], capture_output=True,
+                           timeout=20, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0 and r.stdout.strip() == b"ok"
+
+
+def _setpriv(uid: int) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """Probe, once, the strongest isolation this host allows; logs a warning when weak.
+
+    root with unshare + setpriv: namespaces + unprivileged uid ("root-ns"); non-root with
+    unprivileged user namespaces: namespaces, same uid ("userns"); otherwise rlimits + audit hook
+    only ("plain", plus the uid drop when root).
+    """
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    root = os.geteuid() == 0
+    if root and unshare and setpriv:
+        prefix = ("unshare", *_NS_FLAGS, "--")
+        if _probe(list(prefix) + _setpriv(_random_uid())):
+            return Isolation("root-ns", prefix, True, True)
+    if not root and unshare:
+        for userflag in ("--map-current-user", "--map-root-user"):
+            prefix = ("unshare", "--user", userflag, *_NS_FLAGS, "--")
+            if _probe(list(prefix)):
+                return Isolation("userns", prefix, False, True)
+    drop = root and bool(setpriv) and _probe(_setpriv(_random_uid()))
+    log.warning("sandbox: no namespaces available (mode plain%s): network and process isolation "
+                "rest on the audit hook only", ", uid drop" if drop else ", NO uid drop")
+    return Isolation("plain", (), drop, False)
+
+
+def _random_uid() -> int:
+    return 1 << 30 | secrets.randbelow(1 << 29)   # far from real accounts; unique per run in practice
+
+
+def _tasks_of_uid(uid: int) -> int:
+    n = 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.stat(f"/proc/{d}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{d}/task"))
+            except OSError:
+                pass
+    return n
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every live process owned by `uid` until none is left (host-side /proc scan)."""
+    for _ in range(100):
+        found = False
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/status") as f:
+                    st = f.read()
+                uids = next(line for line in st.splitlines() if line.startswith("Uid:")).split()[1:]
+                state = next(line for line in st.splitlines() if line.startswith("State:")).split()[1]
+            except (OSError, StopIteration, IndexError):
+                continue
+            if str(uid) in uids and state != "Z":
+                found = True
+                try:
+                    os.kill(int(d), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+def split_tests(tests: str | Sequence[str] | None) -> list[tuple[str, str]] | None:
+    """Tests as [(source, kind)], kind "test" (counted) or "setup" (must not fail).
+
+    A list: each element is one test. A string: its top-level `assert` statements are the tests
+    and every other top-level statement is setup; a string without any top-level assert (e.g. a
+    HumanEval `check(candidate)` harness) is one test.
+    """
+    if tests is None:
+        return None
+    if not isinstance(tests, str):
+        return [(str(t), "test") for t in tests]
+    try:
+        tree = ast.parse(tests)
+    except SyntaxError as e:
+        raise ValueError(f"tests: not valid Python ({e.msg}, line {e.lineno}); expected assert "
+                         "statements or a check(candidate) harness") from e
+    if not any(isinstance(s, ast.Assert) for s in tree.body):
+        return [(tests, "test")]
+    lines = tests.splitlines(keepends=True)
+    out = []
+    for s in tree.body:
+        start = s.lineno - 1 - len(getattr(s, "decorator_list", []))
+        src = "".join(lines[start:s.end_lineno])
+        out.append(("\n" * start + src, "test" if isinstance(s, ast.Assert) else "setup"))
+    return out
+
+
+def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: str = "",
+                timeout_s: float = 5.0, cpu_s: float | None = None, memory_mb: int = 512,
+                max_output_bytes: int = 64_000, max_file_mb: int = 16,
+                max_procs: int = 32) -> Verdict:
+    """Run `code` (then `tests`, in the same namespace) in the sandbox; never raises for anything
+    the program does. `cpu_s` defaults to `timeout_s`; limits apply per process except
+    `max_procs`, which caps processes + threads of the whole run (and the fork budget)."""
+    for name, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
+                    ("max_output_bytes", max_output_bytes), ("max_procs", max_procs)):
+        if not v or v <= 0:
+            raise ValueError(f"run_program: {name}={v!r}, expected a positive number")
+    items = split_tests(tests)
+    iso = isolation()
+    uid = _random_uid() if iso.drop_uid else None
+    cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s))
+    if uid is not None or iso.mode == "userns":
+        nproc = max_procs + 1
+    else:
+        nproc = max_procs + 1 + _tasks_of_uid(os.getuid())
+    rlimits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", memory_mb << 20, memory_mb << 20),
+               ("RLIMIT_FSIZE", max_file_mb << 20, max_file_mb << 20), ("RLIMIT_NPROC", nproc, nproc),
+               ("RLIMIT_CORE", 0, 0), ("RLIMIT_NOFILE", 256, 256)]
+    home = os.path.expanduser("~")
+    nonce = secrets.token_hex(16)
+    workdir = tempfile.mkdtemp(prefix="flyroll-sbx-")
+    cfg = {"nonce": nonce, "workdir": workdir, "program": code, "tests": items, "rlimits": rlimits,
+           "pidns": iso.pidns, "fork_budget": max_procs - 1,
+           "secret_paths": [os.path.join(home, p) for p in _SECRET_HOME_PATHS]}
+    try:
+        with open(os.path.join(workdir, "program.py"), "w") as f:
+            f.write(code)
+        os.chmod(os.path.join(workdir, "program.py"), 0o644)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        total = None if items is None else sum(kind == "test" for _, kind in items)
+        return _run(cfg, iso, uid, stdin, timeout_s, max_output_bytes, total)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(cfg: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: float,
+         cap: int, tests_total: int | None) -> Verdict:
+    workdir, nonce = cfg["workdir"], cfg["nonce"]
+    cfg_r, cfg_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    cmd = [*iso.prefix, *(_setpriv(uid) if uid is not None else []),
+           sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(cfg_r), str(rep_w)]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    with tempfile.TemporaryFile() as stdin_f:     # unlinked: the program sees it only as fd 0
+        stdin_f.write(stdin.encode())
+        stdin_f.seek(0)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.Popen(cmd, stdin=stdin_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(cfg_r, rep_w), cwd=workdir, env=env,
+                                    start_new_session=True)
+        except BaseException:
+            for fd in (cfg_r, cfg_w, rep_r, rep_w):
+                os.close(fd)
+            raise
+        os.close(cfg_r)
+        os.close(rep_w)
+    try:
+        _write_all(cfg_w, json.dumps(cfg).encode())
+    except OSError:
+        pass  # the sandbox died before reading its config; its exit status says why
+    finally:
+        os.close(cfg_w)
+
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {out_fd: bytearray(), err_fd: bytearray(), rep_r: bytearray()}
+    caps = {out_fd: cap, err_fd: cap, rep_r: _REPORT_CAP}
+    dropped = dict.fromkeys(bufs, 0)
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        sel.register(fd, selectors.EVENT_READ)
+
+    def pump(wait: float) -> None:
+        if not sel.get_map():
+            time.sleep(wait)
+            return
+        for key, _ in sel.select(wait):
+            chunk = os.read(key.fd, 1 << 16)
+            if not chunk:
+                sel.unregister(key.fd)
+                continue
+            room = max(caps[key.fd] - len(bufs[key.fd]), 0)
+            bufs[key.fd] += chunk[:room]
+            dropped[key.fd] += len(chunk) - len(chunk[:room])
+
+    deadline = t0 + timeout_s
+    status, rusage, timed_out = None, None, False
+    while True:
+        pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            status, rusage = st, ru
+            break
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        pump(min(deadline - now, 0.02))
+    wall = time.monotonic() - t0
+    _kill_tree(proc.pid, uid)
+    if status is None:
+        _, status, rusage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    drain_until = time.monotonic() + 1.0              # leftovers are dead: read what they wrote
+    while sel.get_map() and time.monotonic() < drain_until:
+        pump(0.05)
+    sel.close()
+    proc.stdout.close()
+    proc.stderr.close()
+    os.close(rep_r)
+
+    stderr = bytes(bufs[err_fd])
+    if dropped[out_fd] or dropped[err_fd]:
+        stderr += f"\n[sandbox: output truncated at {cap} bytes per stream]\n".encode()
+    events = _parse_events(bytes(bufs[rep_r]), nonce)
+    exit_ev = next((e for e in events if e["event"] == "exit"), None)
+    if exit_ev is not None:
+        exit_code = exit_ev["code"]
+    elif timed_out:
+        exit_code = None
+    else:
+        exit_code = proc.returncode
+    max_rss_kb = max(rusage.ru_maxrss, exit_ev["maxrss_kb"] if exit_ev else 0)
+    verdict, passed = _decide(events, exit_code, timed_out, tests_total, stderr)
+    return Verdict(verdict=verdict, exit_code=exit_code,
+                   stdout=bufs[out_fd].decode("utf-8", "replace"),
+                   stderr=stderr.decode("utf-8", "replace"),
+                   wall_s=round(wall, 4), max_rss_mb=round(max_rss_kb / 1024, 2),
+                   tests_passed=passed, tests_total=tests_total)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _kill_tree(pid: int, uid: int | None) -> None:
+    """SIGKILL the sandbox's session and, when it has its own uid, every process of that uid
+    (catches children that left the session). In a PID namespace the kernel already killed the
+    rest when the sandbox's init died."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if uid is not None:
+        _kill_uid(uid)
+
+
+def _parse_events(raw: bytes, nonce: str) -> list[dict]:
+    """Report-pipe lines -> events; events that need the nonce and lack it are dropped."""
+    trusted = {"exit", "test", "done", "memory", "program_error"}
+    events = []
+    for line in raw.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(e, dict) or "event" not in e:
+            continue
+        if e["event"] in trusted and e.get("nonce") != nonce:
+            continue
+        events.append(e)
+    return events
+
+
+def _decide(events: list[dict], exit_code: int | None, timed_out: bool, tests_total: int | None,
+            stderr: bytes) -> tuple[str, int | None]:
+    kinds = {e["event"] for e in events}
+    done = next((e for e in events if e["event"] == "done"), None)
+    passed = None
+    if tests_total is not None:
+        passed = done["passed"] if done else sum(e["event"] == "test" for e in events)
+    exit_ev = next((e for e in events if e["event"] == "exit"), None)
+    if "forbidden" in kinds:
+        return "forbidden", passed
+    if timed_out or exit_code == -signal.SIGXCPU:
+        return "timeout", passed
+    if "memory" in kinds or (exit_code not in (0, None) and b"MemoryError" in stderr[-2000:]):
+        return "memory", passed
+    if exit_code == -signal.SIGKILL:   # not by us: RLIMIT_CPU hard limit, else the OOM killer
+        return ("timeout" if exit_ev and exit_ev.get("cpu_s", 0) >= 1 else "memory"), passed
+    if exit_code is not None and exit_code < 0:
+        return "crashed", passed
+    if "program_error" in kinds or "setup_error" in kinds:
+        return "crashed", passed
+    if exit_code != 0:
+        return "failed", passed
+    if tests_total is not None:
+        ok = done is not None and done["passed"] == done["total"] == tests_total
+        return ("passed" if ok else "failed"), passed
+    return "passed", passed
+
+
+def cli_main(argv: list[str]) -> int:
+    """`flyroll sandbox PROGRAM.py [--tests TESTS.py] [--timeout S] [--memory-mb M]`: print the
+    verdict as one JSON object; exit 0 when it passed, 1 otherwise."""
+    p = argparse.ArgumentParser(prog="flyroll sandbox", description=cli_main.__doc__.split(":")[0])
+    p.add_argument("program", help="Python file to run")
+    p.add_argument("--tests", help="Python file with assert statements or a check() harness, run after the program")
+    p.add_argument("--stdin", help="file fed to the program's standard input")
+    p.add_argument("--timeout", type=float, default=5.0, help="wall-clock limit in seconds (default 5)")
+    p.add_argument("--memory-mb", type=int, default=512, help="address-space limit in MiB (default 512)")
+    a = p.parse_args(argv)
+    with open(a.program) as f:
+        code = f.read()
+    tests = open(a.tests).read() if a.tests else None
+    stdin = open(a.stdin).read() if a.stdin else ""
+    v = run_program(code, tests=tests, stdin=stdin, timeout_s=a.timeout, memory_mb=a.memory_mb)
+    keys = ("verdict", "exit_code", "stdout", "stderr", "wall_s", "max_rss_mb")
+    out = {k: getattr(v, k) for k in keys}
+    if v.tests_total is not None:
+        out.update(tests_passed=v.tests_passed, tests_total=v.tests_total)
+    print(json.dumps(out))
+    return 0 if v.verdict == "passed" else 1

@@ -1,0 +1,186 @@
+"""`flyroll eval`: greedy accuracy of a policy on an eval table, printed as one JSON object.
+
+    flyroll eval --model DIR_OR_URI --data TABLE [--max-new-tokens N] [--limit N] [--chat-template]
+    flyroll eval --store ROOT --model KEY --data TABLE ...
+
+--model   a local Hugging Face model directory, or the URI of a checkpoint version published in the
+          artifact store (`file:///data/store/runs/r1/policy/v0003`, `s3://bucket/prefix/runs/...`;
+          the version's MANIFEST.json names its key, which splits the URI into store root + key),
+          or with --store, the version's key. Store versions are fetched (sha256-checked) to a
+          temporary folder.
+--data    a parquet, JSONL or CSV table with columns prompt, domain, answer (plus whatever the
+          domain's reward reads, e.g. tests), or `synthetic:eval` for the bundled fixed eval split.
+
+stdout: {"accuracy": .., "accuracy/<domain>": .., "length": .., "n": .., "model": ..}.
+Errors (missing model or data, missing column, unknown domain) go to stderr; exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+REQUIRED_COLUMNS = ("prompt", "domain", "answer")
+SYNTHETIC_EVAL = "synthetic:eval"
+SYNTHETIC_EVAL_SIZE = 256
+
+
+class EvalError(Exception):
+    """A problem with the command's inputs; reported on stderr with exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flyroll eval", description="Greedy accuracy per domain of a policy, as JSON.")
+    p.add_argument("--model", required=True, help="local HF model dir, artifact-store URI of a checkpoint version, or (with --store) its key")
+    p.add_argument("--store", default=None, help="artifact store root (local path, file:// or s3://); --model is then a key")
+    p.add_argument("--data", required=True, help=f"parquet / JSONL / CSV table with columns {', '.join(REQUIRED_COLUMNS)}, or {SYNTHETIC_EVAL!r}")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
+    p.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    return p
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+def load_table(spec: str):
+    """The eval table named by `spec` (a file or `synthetic:eval`), with its required columns checked."""
+    import pandas as pd
+
+    if spec.startswith("synthetic:"):
+        if spec != SYNTHETIC_EVAL:
+            raise EvalError(f"--data {spec!r}: unknown synthetic table; the only one is {SYNTHETIC_EVAL!r}")
+        from engines.synthetic import make_problems
+
+        problems = make_problems("eval", SYNTHETIC_EVAL_SIZE)
+        return pd.DataFrame([{"prompt": p.prompt, "domain": p.domain, "answer": p.answer} for p in problems])
+    if not os.path.isfile(spec):
+        raise EvalError(f"--data {spec!r}: no such file (expected a .parquet, .jsonl or .csv table, or {SYNTHETIC_EVAL!r})")
+    ext = spec.lower().rsplit(".", 1)[-1] if "." in os.path.basename(spec) else ""
+    try:
+        if ext in ("parquet", "pq"):
+            df = pd.read_parquet(spec)
+        elif ext in ("jsonl", "ndjson"):
+            df = pd.read_json(spec, lines=True, dtype=False)  # keep answers such as "007" as written
+        elif ext == "json":
+            df = pd.read_json(spec, dtype=False)
+        elif ext == "csv":
+            df = pd.read_csv(spec, dtype=str, keep_default_na=False)
+        else:
+            raise EvalError(f"--data {spec!r}: unknown table format {ext or '(no extension)'!r}; expected .parquet, .jsonl or .csv")
+    except EvalError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any reader error is a bad input file
+        raise EvalError(f"--data {spec!r}: cannot read the table ({type(e).__name__}: {e})") from e
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise EvalError(f"--data {spec!r}: missing column(s) {missing}; the table has {list(df.columns)}, "
+                        f"expected at least {list(REQUIRED_COLUMNS)}")
+    return df.reset_index(drop=True)
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+def _split_store_uri(uri: str) -> tuple[str, str]:
+    """(store root, key) of a version URI: its MANIFEST.json records the key, the rest is the root."""
+    from infra.store import ArtifactStore, Manifest, MANIFEST_NAME, StoreError
+
+    uri = uri.rstrip("/")
+    parent, _, last = uri.rpartition("/")
+    if not parent or not last or parent.endswith(":/"):
+        raise EvalError(f"--model {uri!r}: not an artifact-store version URI (expected ROOT/KEY, e.g. s3://bucket/runs/r1/policy/v0003)")
+    store = ArtifactStore(parent)
+    try:
+        manifest: Manifest = store.manifest(last)
+    except StoreError as e:
+        raise EvalError(f"--model {uri!r}: no published checkpoint there ({e})") from e
+    except (FileNotFoundError, ValueError) as e:
+        raise EvalError(f"--model {uri!r}: cannot read {uri}/{MANIFEST_NAME} ({type(e).__name__}: {e})") from e
+    key = manifest.key.strip("/")
+    if not (uri == key or uri.endswith("/" + key)):
+        raise EvalError(f"--model {uri!r}: its {MANIFEST_NAME} names key {manifest.key!r}, which is not a suffix of the URI")
+    return uri[: len(uri) - len(key)].rstrip("/"), key
+
+
+def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
+    """A local model directory for `model`: as given, or fetched from the artifact store into `workdir`."""
+    from infra.store import ArtifactStore, StoreError
+
+    if store_root is None:
+        if "://" not in model:
+            if not os.path.isdir(model):
+                raise EvalError(f"--model {model!r}: no such model directory (expected a Hugging Face model dir, "
+                                "an artifact-store URI, or --store ROOT with a version key)")
+            return model
+        store_root, key = _split_store_uri(model)
+    else:
+        key = model.strip("/")
+    try:
+        return ArtifactStore(store_root).fetch(key, os.path.join(workdir, "model"))
+    except StoreError as e:
+        raise EvalError(f"--model {model!r}: cannot fetch it from the artifact store {store_root!r} ({e})") from e
+    except ValueError as e:  # an invalid key
+        raise EvalError(f"--model {model!r}: {e}") from e
+
+
+# -- command -------------------------------------------------------------------------------------
+
+def run_eval(args: argparse.Namespace) -> dict:
+    from engines.evaluation import evaluate
+    from engines.generation import HFGenerationEngine
+    from engines.modeling import load_policy
+    from engines.rewards import get_reward
+
+    if args.max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise EvalError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
+    table = load_table(args.data)
+    if args.limit is not None:
+        table = table.head(args.limit)
+    if len(table) == 0:
+        raise EvalError(f"--data {args.data!r}: the table has no rows")
+    for domain in sorted(set(table["domain"].astype(str))):
+        try:
+            get_reward(domain)
+        except KeyError as e:
+            raise EvalError(f"--data {args.data!r}: {e.args[0]}") from e
+        except ImportError as e:
+            raise EvalError(f"--data {args.data!r}: the reward for domain {domain!r} needs an optional dependency ({e})") from e
+
+    with tempfile.TemporaryDirectory(prefix="flyroll-eval-") as workdir:
+        path = resolve_model(args.model, args.store, workdir)
+        try:
+            model, tokenizer = load_policy(path)
+        except (OSError, ValueError) as e:
+            raise EvalError(f"--model {args.model!r}: cannot load a Hugging Face model from {path!r} ({type(e).__name__}: {e})") from e
+        if args.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
+        engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
+        metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=args.max_new_tokens,
+                                  apply_chat_template=args.chat_template)
+    model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"
+    return {**metrics, "n": int(len(table)), "model": model_name}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, message already on stderr)
+        return int(e.code or 0)
+    try:
+        result = run_eval(args)
+    except EvalError as e:
+        print(f"flyroll eval: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Ray inside a Flyte task: the cluster the task's RayJobConfig brought up, and its engine actors.
+
+Remote: each task has its own ephemeral Ray cluster (KubeRay), so actors are created per task.
+Local (`pyflyte run` without --remote): the Ray plugin starts one local Ray instance for the first
+Ray task and every later task reuses it; engine actors are named per run and role and reused too,
+so a model is loaded once per process and then only updated in place -- the same thing the fused
+mode does on a real cluster. `shutdown()` ends it at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Handles of the actors this process created, by name. A named Ray actor that is not detached is
+# still garbage-collected once no handle to it exists, so a local run keeps its handles here.
+_HANDLES: dict[str, object] = {}
+
+
+def is_local_execution() -> bool:
+    from flytekit.core.context_manager import FlyteContextManager
+
+    state = FlyteContextManager.current_context().execution_state
+    return bool(state and state.is_local_execution())
+
+
+def ensure_ray() -> None:
+    """Start/connect Ray when a task body runs outside the Ray plugin (e.g. unit tests)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
+
+
+def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict, options: dict) -> list:
+    """`count` actors of `actor_cls` for `role`; reused across tasks of a local run (named, per run)."""
+    import ray
+
+    ensure_ray()
+    actors = []
+    for i in range(count):
+        name = f"flyroll/{run_id}/{role}/{i}"
+        handle = actor_cls.options(name=name, get_if_exists=True, max_concurrency=1, **options).remote(**init_kwargs)
+        _HANDLES[name] = handle
+        actors.append(handle)
+    return actors
+
+
+def kill_pool(role: str, count: int, run_id: str) -> None:
+    import ray
+
+    for i in range(count):
+        name = f"flyroll/{run_id}/{role}/{i}"
+        _HANDLES.pop(name, None)
+        try:
+            ray.kill(ray.get_actor(name))
+        except ValueError:
+            pass
+
+
+def shutdown() -> None:
+    """End the local Ray instance of this process (a no-op when none runs)."""
+    import ray
+
+    _HANDLES.clear()
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.pop("RAY_ADDRESS", None)

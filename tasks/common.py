@@ -1,0 +1,70 @@
+"""Helpers every stage task shares: config and store from a RunSpec, stage timing and logging."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+import pandas as pd
+from rich.console import Console
+
+from configs.schema import FlyrollConfig
+from infra import tracking
+from infra.store import ArtifactStore
+from tasks.types import ROLLOUT_COLUMNS, RunSpec
+
+console = Console(stderr=True, highlight=False)
+
+
+def config_of(spec: RunSpec) -> FlyrollConfig:
+    return FlyrollConfig.model_validate_json(spec.config_json)
+
+
+def store_of(spec: RunSpec) -> ArtifactStore:
+    return ArtifactStore(spec.store_uri)
+
+
+def cache_dir(spec: RunSpec) -> str:
+    """Local folder where fetched artifacts are kept (per machine)."""
+    root = os.environ.get("FLYROLL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flyroll")
+    return os.path.join(root, spec.run_id.replace("/", "_"))
+
+
+def fetch_cached(spec: RunSpec, key: str) -> str:
+    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine."""
+    dest = os.path.join(cache_dir(spec), key)
+    if not os.path.exists(os.path.join(dest, ".complete")):
+        store_of(spec).fetch(key, dest, verify=True)
+        open(os.path.join(dest, ".complete"), "w").close()
+    return dest
+
+
+def execution_id() -> str:
+    try:
+        import flytekit
+
+        eid = flytekit.current_context().execution_id
+        return f"{eid.project}:{eid.domain}:{eid.name}"
+    except Exception:  # noqa: BLE001 -- outside a Flyte task
+        return "none"
+
+
+@contextmanager
+def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
+    """Times a stage, logs `timing/<name>_s` + the stage's metrics to MLflow at step=iteration."""
+    t0 = time.perf_counter()
+    console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<12} …")
+    yield
+    dt = time.perf_counter() - t0
+    metrics[f"timing/{name}_s"] = dt
+    tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, metrics, step=iteration)
+    shown = "  ".join(f"{k}={v:.3g}" for k, v in metrics.items() if not k.startswith("timing/") and "/" in k)[:200]
+    console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<12} [green]{dt:6.2f}s[/]  {shown}")
+
+
+def check_columns(df: pd.DataFrame, *stages: str) -> None:
+    """The rollout table must carry every column the given stages add (schema check at a task boundary)."""
+    missing = [c for s in stages for c in ROLLOUT_COLUMNS[s] if c not in df.columns]
+    if missing:
+        raise ValueError(f"rollout table is missing columns {missing} (has {list(df.columns)})")

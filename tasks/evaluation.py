@@ -1,0 +1,70 @@
+"""Evaluation (greedy, fixed eval split) and the end of a run: summary, report deck, Ray shutdown."""
+
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import ray
+from flytekit import task
+
+from infra import decks, tracking
+from infra.ray_session import is_local_execution, shutdown
+from infra.resources import ray_job, task_resources
+from tasks.common import config_of, console, fetch_cached, stage
+from tasks.rollout import generation_pool
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+
+
+@task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
+def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
+    """Greedy accuracy of `policy` on the eval split; logs eval/accuracy (+ per domain) at step=policy.version."""
+    cfg = config_of(spec)
+    metrics: dict[str, float] = {}
+    with stage(spec, "evaluation", policy.version, metrics):
+        table = pd.read_parquet(f"{fetch_cached(spec, dataset.eval_key)}/eval.parquet")
+        workers = generation_pool(spec, policy)
+        result, rows = ray.get(workers[0].evaluate.remote(table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template))
+        metrics.update({f"eval/{k}": v for k, v in result.items()})
+        tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, rows.to_csv(index=False), f"eval/v{policy.version:04d}.csv")
+    return float(result["accuracy"])
+
+
+def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
+    c = tracking.client(spec.tracking_uri)
+    run = c.get_run(spec.mlflow_run_id)
+    keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
+    return {k: sorted((m.step, m.value) for m in c.get_metric_history(spec.mlflow_run_id, k)) for k in sorted(keys)}
+
+
+@task(enable_deck=True, **task_resources("weight_sync"))
+def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: pd.DataFrame) -> PolicyRef:
+    """Summary metrics and tags, the report (Flyte Deck + HTML file + MLflow artifact), end of the MLflow
+    run, and -- on a local run -- the end of the shared Ray instance."""
+    cfg = config_of(spec)
+    history = _history(spec)
+    acc = history.get("eval/accuracy", [])
+    timings = {}
+    c = tracking.client(spec.tracking_uri)
+    for k in c.get_run(spec.mlflow_run_id).data.metrics:
+        if k.startswith("timing/"):
+            vals = [m.value for m in c.get_metric_history(spec.mlflow_run_id, k)]
+            timings[k.split("/", 1)[1].removesuffix("_s")] = sum(vals) / max(1, len(vals))
+    summary: dict[str, float | str] = {"run": spec.run_id, "final policy": policy.key, "model version": policy.model_version}
+    if acc:
+        summary.update({"eval accuracy (start)": acc[0][1], "eval accuracy (final)": acc[-1][1],
+                        "improvement": acc[-1][1] / acc[0][1] if acc[0][1] > 0 else float("inf")})
+    html = decks.report_html(title=f"flyroll {spec.run_id}", history=history, samples=samples if len(samples) else None,
+                             timings=timings, summary=summary)
+    decks.publish_deck("flyroll report", html)
+    path = decks.write_report(os.path.join(os.path.abspath(cfg.run.output_dir), spec.run_id, "report.html"), html)
+    tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, html, "report.html")
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete"})
+    tracking.end_run(spec.tracking_uri, spec.mlflow_run_id)
+    console.print(f"[bold green]done[/] final policy {policy.key} (MLflow model version {policy.model_version or '-'})")
+    if acc:
+        console.print(f"eval/accuracy {acc[0][1]:.3f} (iteration {acc[0][0]}) → {acc[-1][1]:.3f} (iteration {acc[-1][0]})")
+    console.print(f"report: {path}\nMLflow UI: mlflow ui --backend-store-uri {spec.tracking_uri}")
+    if is_local_execution():
+        shutdown()
+    return policy

@@ -1,0 +1,155 @@
+"""Before the loop: validate the config and open the run, build the datasets, bootstrap the policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+import typing
+
+import flytekit
+from flytekit import Cache, task
+
+from configs.schema import FlyrollConfig, load_config
+from infra import tracking
+from infra.resources import task_resources
+from infra.store import ArtifactStore
+from tasks.common import config_of, console, execution_id, store_of
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+
+PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", str)])
+
+
+@task(**task_resources("weight_sync"))
+def prepare_run(config: str, fresh: bool) -> PrepareOut:
+    """Validate the config (fails here, before any cluster, naming field/value/expectation) and open
+    the MLflow parent run -- or find the run to resume (same name + config hash) unless `fresh`."""
+    cfg = load_config(config or None)
+    chash = cfg.hash()
+    run_id = f"{cfg.run.name}-{chash}"
+    if fresh:
+        run_id += time.strftime("-%Y%m%d%H%M%S")
+    out_dir = os.path.abspath(cfg.run.output_dir)
+    store_uri = cfg.run.store_uri or os.environ.get("FLYROLL_STORE_URI") or os.path.join(out_dir, "store")
+    tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
+    mlflow_run = None if fresh else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
+    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
+    if mlflow_run is None:
+        mlflow_run = tracking.start_parent_run(tracking_uri, cfg.run.experiment, run_id, cfg.flat(), tags)
+        tracking.log_text(tracking_uri, mlflow_run, cfg.model_dump_json(indent=2), "config.json")
+        console.print(f"[bold]run[/] {run_id}  mlflow run {mlflow_run}  store {store_uri}")
+    else:
+        tracking.set_tags(tracking_uri, mlflow_run, {"flyte.execution_id.resumed": execution_id()})
+        console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
+    spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
+    model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
+                             "threads": cfg.run.torch_threads}, sort_keys=True)
+    return PrepareOut(spec, model_spec)
+
+
+def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict) -> None:
+    if store.exists(key):
+        return
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"{key.rsplit('/', 1)[-1]}.parquet")
+        df.to_parquet(path, index=False)
+        store.publish_file(path, key, kind=kind, producer="make_dataset", execution_id=execution_id(), metadata=metadata)
+
+
+@task(**task_resources("weight_sync"))
+def make_dataset(spec: RunSpec) -> DatasetRef:
+    """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data config)."""
+    import hashlib
+
+    import pandas as pd
+
+    from engines.synthetic import make_problems
+
+    cfg = config_of(spec)
+    d = cfg.data
+    version = hashlib.sha256(json.dumps([d.model_dump(mode="json"), cfg.run.seed], sort_keys=True).encode()).hexdigest()[:12]
+    store = store_of(spec)
+    keys = {}
+    for split, n in (("train", d.train_size), ("eval", d.eval_size)):
+        problems = make_problems(split, n, tuple(d.domains), seed=cfg.run.seed if split == "train" else 0)
+        df = pd.DataFrame(
+            [{"prompt_id": f"{split}-{i}", "domain": p.domain, "prompt": p.prompt, "answer": p.answer} for i, p in enumerate(problems)]
+        )
+        keys[split] = f"datasets/{d.source}-{version}/{split}"
+        _publish_table(store, df, keys[split], "dataset", {"split": split, "rows": len(df), "domains": list(d.domains)})
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"]})
+    return DatasetRef(train_key=keys["train"], eval_key=keys["eval"])
+
+
+@task(cache=Cache(version="1", serialize=True), **task_resources("bootstrap"))
+def bootstrap_policy(model_spec: str) -> PolicyRef:
+    """The starting policy. With `model.path` unset: build a tiny Qwen2 + char tokenizer offline and
+    pre-train it on the bundled tasks (cached by Flyte and by the store key); with a local model
+    directory: import it into the store; with a store key: use it as is."""
+    import hashlib
+
+    spec = json.loads(model_spec)
+    m = spec["model"]
+    store = ArtifactStore(spec["store_uri"])
+    path = m["path"]
+    if path and not os.path.isdir(path):  # a store key or a URI inside this store
+        key = path[len(store.root) :].lstrip("/") if path.startswith(store.root) else path
+        store.manifest(key)  # raises ArtifactNotFound with a clear message
+        return PolicyRef(key=key, version=0)
+    digest = hashlib.sha256(model_spec.encode()).hexdigest()[:12]
+    key = f"models/{'import' if path else 'tiny'}-{digest}/v0000"
+    if store.exists(key):
+        console.print(f"[bold]bootstrap[/] reusing {key}")
+        return PolicyRef(key=key, version=0)
+    if path:
+        store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(), metadata={"imported_from": path})
+        return PolicyRef(key=key, version=0)
+
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from engines.modeling import build_tiny_policy, save_policy
+    from engines.pretrain import supervised_finetune
+    from engines.synthetic import make_problems, teacher_demonstration
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    b = m["bootstrap"]
+    model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], seed=spec["seed"])
+    rng = random.Random(spec["seed"])
+    problems = make_problems("bootstrap", b["num_examples"], seed=spec["seed"])
+    pairs = [(p.prompt, teacher_demonstration(p, rng, b["teacher_accuracy"])) for p in problems]
+    with Progress(TextColumn("bootstrap pre-training"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+                  TimeRemainingColumn(), console=console) as progress:
+        bar = progress.add_task("sft", total=b["steps"], loss=float("nan"))
+        metrics = supervised_finetune(model, tok, pairs, steps=b["steps"], batch_size=b["batch_size"], lr=b["lr"], seed=spec["seed"],
+                                      on_step=lambda s, loss: progress.update(bar, completed=s + 1, loss=loss))
+    with tempfile.TemporaryDirectory() as d:
+        save_policy(model, tok, d)
+        store.publish(d, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
+                      metadata={"bootstrap": b, "seed": spec["seed"], **metrics})
+    console.print(f"[bold]bootstrap[/] published {key} ({metrics['bootstrap/seconds']:.0f}s, loss {metrics['bootstrap/loss']:.3f})")
+    return PolicyRef(key=key, version=0)
+
+
+@task(**task_resources("weight_sync"))
+def resume_point(spec: RunSpec, base: PolicyRef) -> PolicyRef:
+    """Where the loop starts: the last published policy of this run (resume), else the base policy."""
+    versions = store_of(spec).list(f"runs/{spec.run_id}/policy/")
+    if not versions:
+        return base
+    key = versions[-1]
+    version = int(key.rsplit("/v", 1)[-1])
+    console.print(f"[bold]resume[/] from {key} (iteration {version})")
+    return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
+
+
+LoopBounds = typing.NamedTuple("LoopBounds", [("last", int), ("eval_every", int)])
+
+
+@task(**task_resources("weight_sync"))
+def loop_bounds(spec: RunSpec) -> LoopBounds:
+    """The last iteration and the eval cadence, from the config."""
+    cfg = config_of(spec)
+    return LoopBounds(cfg.loop.iterations, cfg.loop.eval_every)

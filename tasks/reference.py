@@ -1,0 +1,43 @@
+"""Reference forward: reference-model log-probs (KL anchor) and the current policy's log-probs
+(`old_logprobs`, recomputed so the PPO ratio starts at exactly 1 whatever engine sampled)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import ray
+from flytekit import task
+
+from infra.ray_session import actor_pool, is_local_execution
+from infra.resources import actor_options, ray_job, task_resources
+from tasks.common import check_columns, config_of, stage
+from tasks.types import PolicyRef, RunSpec
+from tasks.workers import ReferenceWorker
+
+
+@task(task_config=ray_job("reference"), **task_resources("reference"))
+def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, reference: PolicyRef, iteration: int) -> pd.DataFrame:
+    """Adds `ref_logprobs` and `old_logprobs` (lists aligned with `response_token_ids`)."""
+    import numpy as np
+
+    check_columns(batch, "rollout", "scoring")
+    cfg = config_of(spec)
+    metrics: dict[str, float] = {}
+    with stage(spec, "reference", iteration, metrics):
+        (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id, {"threads": cfg.run.torch_threads},
+                               actor_options("reference", is_local_execution()))
+        ray.get([worker.load.remote("reference", spec, reference.key), worker.load.remote("policy", spec, policy.key)])
+        prompts = [list(p) for p in batch["prompt_token_ids"]]
+        responses = [list(r) for r in batch["response_token_ids"]]
+        pad = int(ray.get(worker.pad_id.remote()))
+        mb = max(1, cfg.training.max_tokens_per_micro_batch // max(1, max(map(len, prompts)) + max(map(len, responses))))
+        ref_lp, old_lp = ray.get([worker.logprobs.remote(w, prompts, responses, pad, mb) for w in ("reference", "policy")])
+        df = batch.copy()
+        df["ref_logprobs"] = ref_lp
+        df["old_logprobs"] = old_lp
+        beh = np.concatenate([np.asarray(x, dtype=np.float64) for x in batch["behaviour_logprobs"]] or [np.zeros(0)])
+        old = np.concatenate([np.asarray(x, dtype=np.float64) for x in old_lp] or [np.zeros(0)])
+        ref = np.concatenate([np.asarray(x, dtype=np.float64) for x in ref_lp] or [np.zeros(0)])
+        if old.size:
+            metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
+            metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
+    return df

@@ -1,0 +1,80 @@
+"""Rollout: sample G responses for each of B prompts with the current policy, in generation actors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import ray
+from flytekit import task
+
+from infra.ray_session import actor_pool, is_local_execution
+from infra.resources import actor_options, ray_job, task_resources
+from tasks.common import config_of, fetch_cached, stage
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+from tasks.workers import GenerationWorker
+
+
+def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
+    """The run's generation actors, serving `policy` (first load or in-place weight update)."""
+    cfg = config_of(spec)
+    workers = actor_pool(
+        GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id,
+        {"threads": cfg.run.torch_threads, "micro_batch": cfg.rollout.micro_batch},
+        actor_options("rollout", is_local_execution()),
+    )
+    ray.get([w.load.remote(spec, policy.key) for w in workers])
+    return workers
+
+
+def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int) -> pd.DataFrame:
+    """Prompts of iteration `iteration` (1-based): consecutive slices of a per-epoch shuffle, so every
+    prompt is used once per epoch and the choice is reproducible from (seed, iteration)."""
+    start = (iteration - 1) * batch
+    rows = []
+    for pos in range(start, start + batch):
+        epoch, offset = divmod(pos, len(train))
+        order = np.random.default_rng(seed * 1_000_003 + epoch).permutation(len(train))
+        rows.append(int(order[offset]))
+    return train.iloc[rows].reset_index(drop=True)
+
+
+@task(task_config=ray_job("rollout"), **task_resources("rollout"))
+def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
+    """B prompts x G samples -> one row per sample with token ids and behaviour log-probs."""
+    from engines.generation import SamplingParams
+
+    cfg = config_of(spec)
+    r = cfg.rollout
+    metrics: dict[str, float] = {}
+    with stage(spec, "rollout", iteration, metrics):
+        train = pd.read_parquet(f"{fetch_cached(spec, dataset.train_key)}/train.parquet")
+        prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
+        workers = generation_pool(spec, policy)
+        ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
+        params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=cfg.run.seed * 100_003 + iteration)
+        shards = np.array_split(np.arange(len(ids)), len(workers))
+        futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
+        rows = []
+        for shard, completions in zip(shards, ray.get(futures)):
+            for c in completions:
+                p = prompts.iloc[int(shard[c.prompt_index])]
+                rows.append({
+                    "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
+                    "domain": p["domain"], "prompt": p["prompt"], "answer": p["answer"],
+                    "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
+                    "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason, "policy_version": policy.version,
+                })
+        df = pd.DataFrame(rows)
+        lengths = df["response_token_ids"].map(len)
+        metrics.update({
+            "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),
+            "rollout/truncated_frac": float((df["finish_reason"] == "length").mean()),
+            "rollout/tokens": float(lengths.sum()),
+        })
+    metrics_tps = metrics["rollout/tokens"] / max(metrics["timing/rollout_s"], 1e-9)
+    from infra import tracking
+
+    tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, {"rollout/tokens_per_s": metrics_tps}, step=iteration)
+    return df

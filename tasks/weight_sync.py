@@ -1,0 +1,47 @@
+"""Weight sync: publish the new policy version and make the generators serve it.
+
+Publish = upload the checkpoint to the artifact store (data first, MANIFEST.json with sha256 per
+file and the parent version last) and register it as an MLflow model version with lineage tags.
+The next rollout loads exactly that version; on a local run the live generation actors are told to
+update their weights in place right away (no engine restart).
+"""
+
+from __future__ import annotations
+
+import ray
+from flytekit import task
+from flytekit.types.directory import FlyteDirectory
+
+from infra import tracking
+from infra.ray_session import is_local_execution
+from infra.resources import task_resources
+from tasks.common import execution_id, stage, store_of
+from tasks.training import policy_key
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+
+
+@task(**task_resources("weight_sync"))
+def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef, dataset: DatasetRef, iteration: int) -> PolicyRef:
+    metrics: dict[str, float] = {}
+    with stage(spec, "weight_sync", iteration, metrics):
+        local = checkpoint.download()
+        key = policy_key(spec, iteration)
+        lineage = {
+            "flyroll.run_id": spec.run_id, "flyroll.iteration": str(iteration), "flyroll.config_hash": spec.config_hash,
+            "flyroll.parent": parent.key, "flyroll.dataset": dataset.train_key, "flyte.execution_id": execution_id(),
+        }
+        store = store_of(spec)
+        manifest = store.publish(local, key, kind="checkpoint", producer="publish_weights", parents=[parent.key],
+                                 execution_id=execution_id(), metadata={"iteration": iteration, "config_hash": spec.config_hash,
+                                                                        "dataset": dataset.train_key})
+        version = tracking.register_policy(spec.tracking_uri, spec.mlflow_run_id, store.uri(key),
+                                           {**lineage, "flyroll.parent_model_version": parent.model_version})
+        metrics["weight_sync/bytes"] = float(sum(f.size for f in manifest.files.values()))
+        if is_local_execution() and ray.is_initialized():  # live path: generators take the new weights in place
+            try:
+                from tasks.rollout import generation_pool
+
+                generation_pool(spec, PolicyRef(key=key, version=iteration))
+            except ValueError:
+                pass
+    return PolicyRef(key=key, version=iteration, model_version=version)

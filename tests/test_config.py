@@ -1,0 +1,181 @@
+"""The typed config: defaults, YAML loading, overrides, and errors that name the field, the value and
+what was expected."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from configs.schema import DEFAULT_CONFIG, ConfigError, FlyrollConfig, load_config, parse_config
+
+
+def write(tmp_path, text: str, name: str = "preset.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def config_error(tmp_path, text: str, overrides: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    return str(info.value)
+
+
+# --- valid configs ----------------------------------------------------------------------------
+
+def test_defaults_validate():
+    cfg = parse_config({})
+    assert isinstance(cfg, FlyrollConfig)
+    assert cfg == FlyrollConfig()
+    assert cfg.algorithm.advantage == "grpo" and cfg.rollout.samples_per_prompt >= 2
+    assert parse_config(None) == cfg
+
+
+def test_default_preset_validates():
+    if not DEFAULT_CONFIG.exists():
+        pytest.skip(f"{DEFAULT_CONFIG.name} is not written yet")
+    assert isinstance(load_config(), FlyrollConfig)
+
+
+def test_yaml_values_are_applied(tmp_path):
+    cfg = load_config(write(tmp_path, "run:\n  name: exp\nrollout:\n  temperature: 0.7\n  stop: [\"\\n\"]\n"
+                                      "algorithm:\n  advantage: rloo\n  loss_agg_mode: seq-mean-token-mean\n"))
+    assert cfg.run.name == "exp" and cfg.rollout.temperature == 0.7 and cfg.rollout.stop == ("\n",)
+    assert cfg.algorithm.advantage == "rloo" and cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
+    assert cfg.training == FlyrollConfig().training  # untouched sections keep their defaults
+    assert load_config(write(tmp_path, "")) == FlyrollConfig()  # an empty preset is all defaults
+
+
+def test_overrides(tmp_path):
+    path = write(tmp_path, "rollout:\n  temperature: 0.7\n")
+    cfg = load_config(path, {"rollout.temperature": 0.3, "training.lr": 1e-4, "model.bootstrap.steps": 5,
+                             "algorithm.advantage": "reinforce"})
+    assert cfg.rollout.temperature == 0.3  # an override beats the preset
+    assert cfg.training.lr == 1e-4 and cfg.model.bootstrap.steps == 5  # also in sections the preset lacks
+    assert cfg.algorithm.advantage == "reinforce"
+    assert load_config(path).rollout.temperature == 0.7  # the file is not modified
+    # overrides are validated like the file
+    assert "rollout.temprature" in config_error(tmp_path, "", {"rollout.temprature": 0.5})
+    assert "rollout.temperature" in config_error(tmp_path, "", {"rollout.temperature": -1})
+
+
+def test_override_into_an_empty_section(tmp_path):
+    """BUG (configs/schema.py, load_config): a section written with no keys (`rollout:` -> None)
+    makes an override into it crash with a bare TypeError instead of applying it."""
+    cfg = load_config(write(tmp_path, "rollout:\n"), {"rollout.temperature": 0.5})
+    assert cfg.rollout.temperature == 0.5
+
+
+def test_override_below_a_scalar_is_a_config_error(tmp_path):
+    """BUG (configs/schema.py, load_config): `run.name.x` where run.name is a string raises a bare
+    TypeError ('str' object does not support item assignment) instead of a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=r"run\.name\.x"):
+        load_config(write(tmp_path, "run:\n  name: exp\n"), {"run.name.x": 1})
+
+
+def test_config_is_immutable():
+    """Sections are frozen so that hash() keeps describing the config it was computed from.
+    BUG (configs/algorithm.py): AlgorithmConfig is not frozen (model_config lacks frozen=True), so
+    `cfg.algorithm.kl_coef = ...` silently changes a config whose hash may already name a run."""
+    cfg = parse_config({})
+    with pytest.raises(Exception):
+        cfg.rollout.temperature = 0.1
+    with pytest.raises(Exception):
+        cfg.algorithm.kl_coef = 0.5
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def test_unknown_key_names_the_dotted_field(tmp_path):
+    msg = config_error(tmp_path, "rollout:\n  temprature: 0.5\n")
+    assert "rollout.temprature" in msg and "unknown key" in msg and "0.5" in msg
+    assert "preset.yaml" in msg  # the source file
+    assert "nosuchsection" in config_error(tmp_path, "nosuchsection:\n  a: 1\n")
+
+
+def test_wrong_type_names_field_and_value(tmp_path):
+    msg = config_error(tmp_path, 'rollout:\n  samples_per_prompt: "eight"\n')
+    assert "rollout.samples_per_prompt" in msg and "'eight'" in msg and "integer" in msg
+    assert "run" in config_error(tmp_path, "run: 3\n")  # a section that is not a mapping
+
+
+def test_out_of_range_names_field(tmp_path):
+    msg = config_error(tmp_path, "rollout:\n  temperature: -1\n")
+    assert "rollout.temperature" in msg and "-1" in msg and "greater than or equal to 0" in msg
+    assert "data.eval_size" in config_error(tmp_path, "data:\n  eval_size: 100000\n")
+
+
+def test_several_errors_are_reported_together(tmp_path):
+    msg = config_error(tmp_path, "rollout:\n  temperature: -1\n  top_p: 0\ntraining:\n  lr: 0\n")
+    assert all(f in msg for f in ("rollout.temperature", "rollout.top_p", "training.lr"))
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="nope.yaml.*does not exist"):
+        load_config(missing)
+
+
+def test_invalid_yaml(tmp_path):
+    assert "not valid YAML" in config_error(tmp_path, "rollout: [1, 2\n")
+    assert "mapping" in config_error(tmp_path, "- 1\n- 2\n")
+
+
+def test_unregistered_algorithm_name_lists_the_allowed_names(tmp_path):
+    msg = config_error(tmp_path, "algorithm:\n  advantage: nope\n")
+    assert "algorithm.advantage" in msg and "'nope'" in msg and "'grpo'" in msg and "'rloo'" in msg
+    assert "'ppo_clip'" in config_error(tmp_path, "algorithm:\n  policy_loss: ppo\n")
+    assert "'k3'" in config_error(tmp_path, "algorithm:\n  kl_estimator: k4\n")
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_group_estimators_need_two_samples(tmp_path, advantage):
+    msg = config_error(tmp_path, f"rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: {advantage}\n")
+    assert "rollout.samples_per_prompt=1" in msg and advantage in msg and "at least 2" in msg
+    cfg = load_config(write(tmp_path, "rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: reinforce\n"))
+    assert cfg.rollout.samples_per_prompt == 1
+
+
+def test_unknown_domain_is_refused(tmp_path):
+    msg = config_error(tmp_path, "data:\n  domains: [arithmetic, poetry]\n")
+    assert "data.domains" in msg and "poetry" in msg and "reverse" in msg
+
+
+# --- identity -------------------------------------------------------------------------------
+
+def test_hash_is_stable_and_tracks_every_field(tmp_path):
+    a = load_config(write(tmp_path, "run:\n  name: x\nrollout:\n  temperature: 0.7\n", "a.yaml"))
+    b = load_config(write(tmp_path, "rollout:\n  temperature: 0.7\nrun:\n  name: x\n", "b.yaml"))  # other order
+    assert a.hash() == b.hash() == a.hash()
+    assert len(a.hash()) == 12 and int(a.hash(), 16) >= 0
+    assert parse_config({}).hash() == FlyrollConfig().hash()
+    changed = {
+        load_config(write(tmp_path, "run:\n  name: x\nrollout:\n  temperature: 0.8\n", "c.yaml")).hash(),
+        load_config(write(tmp_path, "run:\n  name: y\nrollout:\n  temperature: 0.7\n", "d.yaml")).hash(),
+        parse_config({"run": {"name": "x"}, "rollout": {"temperature": 0.7}, "algorithm": {"kl_coef": 0.01}}).hash(),
+        parse_config({"run": {"name": "x"}, "rollout": {"temperature": 0.7}, "model": {"bootstrap": {"steps": 7}}}).hash(),
+    }
+    assert a.hash() not in changed and len(changed) == 4
+
+
+def test_flat_has_dotted_keys():
+    flat = parse_config({"rollout": {"stop": ["\n"]}}).flat()
+    assert flat["rollout.temperature"] == "1.0"
+    assert flat["algorithm.advantage"] == "grpo"
+    assert flat["model.bootstrap.hidden_size"] == "128"
+    assert flat["model.path"] == "None"
+    assert flat["data.domains"] == '["arithmetic", "reverse"]' and flat["rollout.stop"] == '["\\n"]'
+    assert all(isinstance(v, str) for v in flat.values())
+    assert not any(k.startswith(".") or ".." in k for k in flat)
+    assert {k.split(".")[0] for k in flat} == set(FlyrollConfig.model_fields)
+
+
+def test_every_field_is_described():
+    def walk(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(FlyrollConfig, "")

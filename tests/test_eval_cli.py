@@ -1,0 +1,147 @@
+"""`flyroll eval`: a tiny model saved to tmp_path (or published to a local artifact store), tables
+in every supported format, and the errors a user can make."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from engines.evaluation import evaluate
+from engines.generation import HFGenerationEngine
+from engines.modeling import load_policy
+from engines.synthetic import make_problems
+from infra import cli
+from infra.eval_cli import main
+from infra.store import ArtifactStore
+
+torch.set_num_threads(1)
+
+KEY = "runs/r1/policy/v0001"
+
+
+def problems_table(n: int = 6) -> pd.DataFrame:
+    return pd.DataFrame([{"prompt": p.prompt, "domain": p.domain, "answer": p.answer} for p in make_problems("eval", n)])
+
+
+def run(capsys, argv: list[str]) -> tuple[int, dict | None, str]:
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if rc == 0 else None), err
+
+
+@pytest.fixture(scope="module")
+def published(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model published as checkpoint version KEY in a local store; returns the store root."""
+    root = str(tmp_path_factory.mktemp("store") / "store")
+    ArtifactStore(root).publish(tiny_model_dir, KEY, kind="checkpoint", producer="test")
+    return root
+
+
+def test_eval_local_dir_parquet(tiny_model_dir, tmp_path, capsys):
+    table = problems_table(6)
+    table.to_parquet(tmp_path / "eval.parquet")
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "4"])
+    assert rc == 0, err
+    assert res["n"] == 6 and res["model"] == tiny_model_dir
+    assert {"accuracy", "accuracy/arithmetic", "accuracy/reverse"} <= set(res)
+    # the same numbers as calling the engine directly
+    model, tok = load_policy(tiny_model_dir)
+    want, _ = evaluate(HFGenerationEngine(model, tok), tok, table, max_new_tokens=4)
+    for k, v in want.items():
+        assert res[k] == pytest.approx(v), k
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_eval_jsonl_and_csv(tiny_model_dir, tmp_path, capsys, fmt):
+    table = problems_table(4)
+    path = tmp_path / f"eval.{fmt}"
+    if fmt == "jsonl":
+        table.to_json(path, orient="records", lines=True)
+    else:
+        table.to_csv(path, index=False)
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(path), "--max-new-tokens", "2"])
+    assert rc == 0, err
+    assert res["n"] == 4 and 0.0 <= res["accuracy"] <= 1.0
+
+
+def test_eval_synthetic_with_limit(tiny_model_dir, capsys):
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "5", "--max-new-tokens", "2"])
+    assert rc == 0, err
+    assert res["n"] == 5 and "accuracy/arithmetic" in res and "accuracy/reverse" in res
+
+
+def test_eval_published_checkpoint_by_uri(published, capsys):
+    for uri in (f"{published}/{KEY}", f"file://{published}/{KEY}/"):
+        rc, res, err = run(capsys, ["--model", uri, "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
+        assert rc == 0, err
+        assert res["n"] == 2 and res["model"] == uri
+
+
+def test_eval_published_checkpoint_by_store_and_key(published, capsys):
+    rc, res, err = run(capsys, ["--store", published, "--model", KEY, "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
+    assert rc == 0, err
+    assert res["model"] == f"{published}/{KEY}"
+
+
+def test_eval_through_the_flyroll_command(tiny_model_dir, capsys):
+    rc = cli.main(["eval", "--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["n"] == 2  # stdout is exactly one JSON object
+
+
+# --- errors: a message on stderr naming the problem, exit code 2 -------------------------------
+
+def test_missing_model(tmp_path, capsys):
+    missing = str(tmp_path / "no_model_here")
+    rc, _, err = run(capsys, ["--model", missing, "--data", "synthetic:eval"])
+    assert rc == 2 and "no_model_here" in err and "no such model directory" in err
+
+
+def test_missing_store_version(published, capsys):
+    rc, _, err = run(capsys, ["--model", f"file://{published}/runs/r1/policy/v0009", "--data", "synthetic:eval"])
+    assert rc == 2 and "v0009" in err
+    rc, _, err = run(capsys, ["--store", published, "--model", "runs/r1/policy/v0009", "--data", "synthetic:eval"])
+    assert rc == 2 and "v0009" in err
+
+
+def test_dir_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    rc, _, err = run(capsys, ["--model", str(tmp_path / "empty"), "--data", "synthetic:eval"])
+    assert rc == 2 and "empty" in err
+
+
+def test_missing_column(tiny_model_dir, tmp_path, capsys):
+    problems_table(3).drop(columns=["answer"]).to_parquet(tmp_path / "t.parquet")
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.parquet")])
+    assert rc == 2 and "missing column" in err and "'answer'" in err
+
+
+@pytest.mark.parametrize("data, needle", [
+    ("nope.parquet", "no such file"),
+    ("synthetic:train", "synthetic:eval"),
+])
+def test_bad_data_argument(tiny_model_dir, tmp_path, capsys, data, needle):
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", data if ":" in data else str(tmp_path / data)])
+    assert rc == 2 and needle in err
+
+
+def test_bad_table_contents(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("prompt,domain,answer\n")
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.txt")])
+    assert rc == 2 and "format" in err
+    (tmp_path / "empty.csv").write_text("prompt,domain,answer\n")
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "empty.csv")])
+    assert rc == 2 and "no rows" in err
+    pd.DataFrame([{"prompt": "x", "domain": "poetry", "answer": "y"}]).to_csv(tmp_path / "d.csv", index=False)
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "d.csv")])
+    assert rc == 2 and "poetry" in err
+
+
+def test_usage_errors(capsys):
+    assert main(["--data", "synthetic:eval"]) == 2  # --model is required
+    assert "--model" in capsys.readouterr().err
+    assert main(["--help"]) == 0

@@ -1,0 +1,218 @@
+"""The artifact store: round-trip, hash check, atomic visibility, listing, retries.
+
+Every behaviour runs on a local folder and on a real S3 server (SeaweedFS on loopback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from infra.store import (
+    MANIFEST_NAME,
+    ArtifactExists,
+    ArtifactNotFound,
+    ArtifactStore,
+    CorruptArtifact,
+    Manifest,
+    StoreUnavailable,
+    sha256_file,
+)
+from tests.services import s3_server  # noqa: F401  (session fixture)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return ArtifactStore(str(tmp_path / "store"))
+    s3 = request.getfixturevalue("s3_server")
+    return ArtifactStore(f"s3://{s3.bucket}/t-{request.node.name.replace('[', '-').rstrip(']')}-{time.time_ns()}",
+                         storage_options=s3.storage_options)
+
+
+def make_checkpoint(d, seed: int = 0):
+    (d / "tokenizer").mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(bytes(range(256)) * 40 + bytes([seed]))
+    (d / "config.json").write_text(json.dumps({"hidden": 64, "seed": seed}))
+    (d / "tokenizer" / "vocab.json").write_text('{"a": 0}')
+    return d
+
+
+def write_raw(store: ArtifactStore, key: str, rel: str, data: bytes) -> None:
+    """Write bytes into a version behind the store's back (to corrupt it or fake a crash)."""
+    store.fs.pipe_file(f"{store._root_path}/{key}/{rel}", data)
+
+
+def test_round_trip(store, tmp_path):
+    src = make_checkpoint(tmp_path / "ckpt")
+    m = store.publish(str(src), "runs/r1/policy/v0001", kind="checkpoint", producer="training",
+                      parents=["runs/r1/policy/v0000"], execution_id="exec-1",
+                      metadata={"iteration": 1, "config_hash": "abc"})
+    assert sorted(m.files) == ["config.json", "model.safetensors", "tokenizer/vocab.json"]
+    assert m.files["model.safetensors"].sha256 == sha256_file(str(src / "model.safetensors"))
+    assert m.files["config.json"].size == os.path.getsize(src / "config.json")
+
+    assert store.exists("runs/r1/policy/v0001")
+    assert store.manifest("runs/r1/policy/v0001") == m
+    out = store.fetch("runs/r1/policy/v0001", str(tmp_path / "out"))
+    for rel in m.files:
+        assert (tmp_path / "out" / rel).read_bytes() == (src / rel).read_bytes()
+    assert store.uri("runs/r1/policy/v0001").endswith("/runs/r1/policy/v0001")
+    assert out == str(tmp_path / "out")
+
+
+def test_publish_file_round_trip(store, tmp_path):
+    table = tmp_path / "rollout.parquet"
+    table.write_bytes(b"PAR1" + os.urandom(1000) + b"PAR1")
+    m = store.publish_file(str(table), "runs/r1/rollout/it0003", kind="rollout", producer="rollout")
+    assert list(m.files) == ["rollout.parquet"]
+    store.fetch("runs/r1/rollout/it0003", str(tmp_path / "got"))
+    assert (tmp_path / "got" / "rollout.parquet").read_bytes() == table.read_bytes()
+
+
+def test_corrupted_file_is_detected_on_fetch(store, tmp_path):
+    src = make_checkpoint(tmp_path / "ckpt")
+    store.publish(str(src), "runs/r1/policy/v0002", kind="checkpoint", producer="training")
+    write_raw(store, "runs/r1/policy/v0002", "model.safetensors", b"flipped bits")
+    with pytest.raises(CorruptArtifact, match="model.safetensors"):
+        store.fetch("runs/r1/policy/v0002", str(tmp_path / "out"))
+    # same size, different bytes: only the hash can tell
+    data = bytearray((src / "config.json").read_bytes())
+    data[0] ^= 1
+    write_raw(store, "runs/r1/policy/v0002", "model.safetensors", (src / "model.safetensors").read_bytes())
+    write_raw(store, "runs/r1/policy/v0002", "config.json", bytes(data))
+    with pytest.raises(CorruptArtifact, match="config.json"):
+        store.fetch("runs/r1/policy/v0002", str(tmp_path / "out2"))
+    store.fetch("runs/r1/policy/v0002", str(tmp_path / "out3"), verify=False)  # opt-out still downloads
+
+
+def test_version_without_manifest_is_invisible(store, tmp_path):
+    # what an interrupted publish leaves: data files, no manifest
+    write_raw(store, "runs/r1/policy/v0009", "model.safetensors", b"half a checkpoint")
+    assert not store.exists("runs/r1/policy/v0009")
+    assert store.list("runs/r1") == []
+    with pytest.raises(ArtifactNotFound, match="v0009"):
+        store.manifest("runs/r1/policy/v0009")
+    with pytest.raises(ArtifactNotFound):
+        store.fetch("runs/r1/policy/v0009", str(tmp_path / "out"))
+    # a garbled manifest is not a version either
+    write_raw(store, "runs/r1/policy/v0009", MANIFEST_NAME, b"{not json")
+    assert not store.exists("runs/r1/policy/v0009")
+    with pytest.raises(CorruptArtifact, match="unreadable"):
+        store.manifest("runs/r1/policy/v0009")
+    # publishing over the debris makes a clean version
+    store.publish(str(make_checkpoint(tmp_path / "ckpt")), "runs/r1/policy/v0009", kind="checkpoint", producer="t")
+    store.fetch("runs/r1/policy/v0009", str(tmp_path / "out4"))
+
+
+def test_list_is_sorted_and_only_has_published_versions(store, tmp_path):
+    f = tmp_path / "x.bin"
+    f.write_bytes(b"x")
+    for v in ["v0010", "v0002", "v0001"]:
+        store.publish_file(str(f), f"runs/r1/policy/{v}", kind="checkpoint", producer="t")
+    store.publish_file(str(f), "runs/r1/rollout/it0001", kind="rollout", producer="t")
+    store.publish_file(str(f), "runs/r2/policy/v0001", kind="checkpoint", producer="t")
+    write_raw(store, "runs/r1/policy/v0011", "x.bin", b"x")  # unpublished
+    assert store.list("runs/r1/policy") == ["runs/r1/policy/v0001", "runs/r1/policy/v0002", "runs/r1/policy/v0010"]
+    assert store.list("runs/r1/") == ["runs/r1/policy/v0001", "runs/r1/policy/v0002", "runs/r1/policy/v0010",
+                                      "runs/r1/rollout/it0001"]
+    assert len(store.list("")) == 5
+    assert store.list("runs/nope") == []
+
+
+def test_versions_are_immutable(store, tmp_path):
+    src = make_checkpoint(tmp_path / "a")
+    m1 = store.publish(str(src), "runs/r1/policy/v0001", kind="checkpoint", producer="training")
+    # a retried task that produced the same bytes gets the existing version back
+    assert store.publish(str(src), "runs/r1/policy/v0001", kind="checkpoint", producer="training") == m1
+    other = make_checkpoint(tmp_path / "b", seed=1)
+    with pytest.raises(ArtifactExists, match="v0001"):
+        store.publish(str(other), "runs/r1/policy/v0001", kind="checkpoint", producer="training")
+    assert store.manifest("runs/r1/policy/v0001") == m1
+
+
+def test_manifest_json_round_trip_and_validation():
+    from infra.store import FileEntry
+
+    m = Manifest(key="k/v1", kind="dataset", files={"a.parquet": FileEntry("0" * 64, 3)}, parents=["k/v0"],
+                 producer="prep", execution_id=None, created_at="2026-01-01T00:00:00+00:00", metadata={"n": 1})
+    assert Manifest.from_json(m.to_json()) == m
+    assert json.loads(m.to_json())["format"] == "flyroll-manifest/1"
+    bad = json.loads(m.to_json())
+    bad["files"]["a.parquet"]["size"] = "3"
+    with pytest.raises(ValueError, match="a.parquet"):
+        Manifest.from_json(json.dumps(bad))
+
+
+def test_bad_input_is_rejected_before_writing(tmp_path):
+    store = ArtifactStore(str(tmp_path / "s"))
+    for key in ["", "/abs", "a/../b", "a//b", f"a/{MANIFEST_NAME}"]:
+        with pytest.raises(ValueError, match="artifact key"):
+            store.uri(key)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no files"):
+        store.publish(str(tmp_path / "empty"), "a/v1", kind="dataset", producer="t")
+    f = tmp_path / "f"
+    f.write_bytes(b"1")
+    with pytest.raises(TypeError, match="metadata"):
+        store.publish_file(str(f), "a/v1", kind="dataset", producer="t", metadata={"x": object()})
+    assert not os.path.exists(tmp_path / "s" / "a")
+
+
+def test_local_root_as_file_uri(tmp_path):
+    f = tmp_path / "f.txt"
+    f.write_text("hi")
+    store = ArtifactStore(f"file://{tmp_path}/s")
+    store.publish_file(str(f), "a/v1", kind="dataset", producer="t")
+    assert store.uri("a/v1") == f"file://{tmp_path}/s/a/v1"
+    assert ArtifactStore(str(tmp_path / "s")).list("a") == ["a/v1"]
+    assert not [p for p in os.listdir(tmp_path / "s" / "a" / "v1") if ".tmp-" in p]  # temp manifest renamed
+
+
+def test_unreachable_s3_retries_then_raises_naming_the_uri(tmp_path):
+    from infra.services import free_port
+
+    store = ArtifactStore("s3://bucket/prefix", retries=2, backoff_s=0.01,
+                          storage_options={"endpoint_url": f"http://127.0.0.1:{free_port()}",
+                                           "key": "k", "secret": "TOPSECRET"})
+    assert "TOPSECRET" not in repr(store)
+    with pytest.raises(StoreUnavailable, match=r"s3://bucket/prefix/a/v1.*3 attempts") as e:
+        store.manifest("a/v1")
+    assert "TOPSECRET" not in str(e.value)
+    f = tmp_path / "f"
+    f.write_bytes(b"1")
+    with pytest.raises(StoreUnavailable, match="s3://bucket/prefix"):
+        store.publish_file(str(f), "a/v1", kind="dataset", producer="t")
+
+
+def test_s3_credentials_from_env(s3_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    store = ArtifactStore(f"s3://{s3_server.bucket}/env-{time.time_ns()}")
+    f = tmp_path / "f"
+    f.write_bytes(b"1")
+    m = store.publish_file(str(f), "a/v1", kind="dataset", producer="t")
+    assert s3_server.secret_key not in m.to_json()
+    assert store.list("a") == ["a/v1"]
+
+
+def test_transient_errors_are_retried_with_backoff(tmp_path, monkeypatch):
+    store = ArtifactStore(str(tmp_path / "s"), retries=3, backoff_s=0.5)
+    sleeps, calls = [], []
+    monkeypatch.setattr("infra.store.time.sleep", sleeps.append)
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("peer reset")
+        return "ok"
+
+    assert store._retry("op on x", flaky) == "ok"
+    assert sleeps == [0.5, 1.0]  # backoff_s * 2**attempt
+    with pytest.raises(FileNotFoundError):  # not transient: raised at once, no sleep
+        store._retry("op on x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
+    assert sleeps == [0.5, 1.0]
