@@ -73,6 +73,7 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
+    functions: dict[str, str] = Field(default_factory=dict, description="Route a domain to a reward function: {domain: registered name or 'package.module:function'}. Unlisted domains use the function registered under the domain's own name. A function is `fn(response: str, sample: dict) -> float`, so adding one is one file.")
     timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-sample reward timeout. A reward that raises or runs past it scores 0 and is flagged in reward_error.")
     num_workers: int = Field(1, ge=1, le=256, description="Reward worker actors.")
 

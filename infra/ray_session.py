@@ -39,7 +39,9 @@ def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict,
     actors = []
     for i in range(count):
         name = f"flyroll/{run_id}/{role}/{i}"
-        handle = actor_cls.options(name=name, get_if_exists=True, max_concurrency=1, **options).remote(**init_kwargs)
+        # detached: a local run's actors outlive the task that made them (the local Ray instance, and
+        # they with it, ends with the run); on a cluster the task's Ray cluster ends them anyway
+        handle = actor_cls.options(name=name, get_if_exists=True, lifetime="detached", max_concurrency=1, **options).remote(**init_kwargs)
         _HANDLES[name] = handle
         actors.append(handle)
     return actors

@@ -23,18 +23,18 @@ PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", 
 
 
 @task(**task_resources("weight_sync"))
-def prepare_run(config: str, fresh: bool) -> PrepareOut:
+def prepare_run(config: str, restart: bool) -> PrepareOut:
     """Validate the config (fails here, before any cluster, naming field/value/expectation) and open
-    the MLflow parent run -- or find the run to resume (same name + config hash) unless `fresh`."""
+    the MLflow parent run -- or find the run to resume (same name + config hash) unless `restart`."""
     cfg = load_config(config or None)
     chash = cfg.hash()
     run_id = f"{cfg.run.name}-{chash}"
-    if fresh:
+    if restart:
         run_id += time.strftime("-%Y%m%d%H%M%S")
     out_dir = os.path.abspath(cfg.run.output_dir)
     store_uri = cfg.run.store_uri or os.environ.get("FLYROLL_STORE_URI") or os.path.join(out_dir, "store")
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
-    mlflow_run = None if fresh else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
+    mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
     if mlflow_run is None:
         mlflow_run = tracking.start_parent_run(tracking_uri, cfg.run.experiment, run_id, cfg.flat(), tags)

@@ -9,7 +9,7 @@ from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution
 from infra.resources import actor_options, ray_job, task_resources
-from tasks.common import check_columns, config_of, stage
+from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import ReferenceWorker
 
@@ -40,4 +40,22 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         if old.size:
             metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
             metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
+        publish_rollout_table(spec, df, policy, iteration)
     return df
+
+
+def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, iteration: int) -> str:
+    """The complete rollout table of an iteration as a versioned artifact, parent = the policy that
+    sampled it, so any sample can be traced to the model version that produced it."""
+    import os
+    import tempfile
+
+    key = f"runs/{spec.run_id}/rollouts/i{iteration:04d}"
+    store = store_of(spec)
+    if not store.exists(key):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "rollout.parquet")
+            df.to_parquet(path, index=False)
+            store.publish_file(path, key, kind="rollout", producer="reference_forward", parents=[policy.key],
+                               execution_id=execution_id(), metadata={"iteration": iteration, "rows": len(df)})
+    return key

@@ -24,12 +24,12 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     worker that hangs is replaced after its batch; a worker that crashes has its rows re-scored one
     by one in fresh workers, so only the sample that kills a worker is lost (scored 0, flagged)."""
     cfg = config_of(spec)
-    n, timeout = cfg.reward.num_workers, cfg.reward.timeout_s
+    n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
     opts = actor_options("scoring", is_local_execution())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
     workers = actor_pool(RewardWorker, role, n, spec.run_id, {}, opts)
-    futures = [w.score.remote([items[i] for i in s], timeout) for w, s in zip(workers, shards)]
+    futures = [w.score.remote([items[i] for i in s], timeout, routes) for w, s in zip(workers, shards)]
     rewards: list[float] = [0.0] * len(items)
     errors: list[str | None] = [None] * len(items)
     tainted = False
@@ -44,7 +44,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
             for i in shard:
                 solo = actor_pool(RewardWorker, f"{role}-solo", 1, spec.run_id, {}, opts)[0]
                 try:
-                    (res,), hung = ray.get(solo.score.remote([items[i]], timeout))
+                    (res,), hung = ray.get(solo.score.remote([items[i]], timeout, routes))
                     tainted |= hung
                 except ray.exceptions.RayActorError as e:
                     res = (0.0, f"reward worker crashed: {type(e).__name__}")

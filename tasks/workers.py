@@ -68,14 +68,15 @@ class RewardWorker:
     def __init__(self, threads: int = 4):
         self.pool = cf.ThreadPoolExecutor(max_workers=threads)
 
-    def score(self, items: list[tuple[str, str, dict]], timeout_s: float) -> tuple[list[tuple[float, str | None]], bool]:
-        """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck."""
+    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, routes: dict[str, str] | None = None) -> tuple[list[tuple[float, str | None]], bool]:
+        """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck.
+        routes: domain -> reward function name (config `reward.functions`)."""
         from engines.rewards import get_reward, score_isolated
 
         out, hung_any = [], False
         for domain, response, sample in items:
             try:
-                fn = get_reward(domain)
+                fn = get_reward((routes or {}).get(domain, domain))
             except KeyError as e:
                 out.append((0.0, str(e)))
                 continue

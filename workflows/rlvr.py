@@ -2,7 +2,7 @@
 
     pyflyte run workflows/rlvr.py rlvr                                  # tiny default, ~10 min on 2 CPU cores
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml       # same, explicit
-    pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml --fresh   # start over instead of resuming
+    pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml --restart   # start a new run instead of resuming
 
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
 weight sync -- each with its own resources and Ray cluster. `rl_loop` (a bounded @dynamic) chains
@@ -14,6 +14,7 @@ config resumes from the last published policy version of that run.
 from __future__ import annotations
 
 import typing
+import warnings
 
 import pandas as pd
 from flytekit import dynamic, workflow
@@ -27,6 +28,9 @@ from tasks.scoring import score
 from tasks.training import train
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.weight_sync import publish_weights
+
+# flytekit registers a bool input as both `--restart` and `--restart/--no_restart`; click then warns
+warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
 
 CHUNK = 25  # iterations per @dynamic node; longer runs recurse, keeping each generated workflow small
 
@@ -59,10 +63,10 @@ def rl_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset: Data
 
 
 @workflow
-def rlvr(config: str = "", fresh: bool = False) -> PolicyRef:
-    """RLVR run. config: path to a YAML preset (default: configs/tiny.yaml). fresh: start a new run
+def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
+    """RLVR run. config: path to a YAML preset (default: configs/tiny.yaml). restart: start a new run
     instead of resuming the last one with the same name and config."""
-    spec, model_spec = prepare_run(config=config, fresh=fresh)
+    spec, model_spec = prepare_run(config=config, restart=restart)
     dataset = make_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
     start = resume_point(spec=spec, base=base)

@@ -45,9 +45,13 @@ _LAZY = {
 
 
 def get_reward(name: str) -> RewardFn:
-    if name not in REWARDS and name in _LAZY:
-        module, fn = _LAZY[name].split(":")
-        REWARDS[name] = getattr(importlib.import_module(module), fn)
+    """The reward function registered as `name`, or `name` = "package.module:function" imported."""
+    if name not in REWARDS and (name in _LAZY or ":" in name):
+        module, fn = _LAZY.get(name, name).split(":", 1)
+        try:
+            REWARDS[name] = getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError) as e:
+            raise KeyError(f"reward function {name!r} cannot be imported: {e}") from None
     if name not in REWARDS:
         raise KeyError(f"no reward function for domain {name!r}; registered: {sorted(set(REWARDS) | set(_LAZY))}")
     return REWARDS[name]

@@ -1,0 +1,177 @@
+"""The workflow itself, through the real `pyflyte` CLI: run end to end, refuse a bad config, package.
+
+The run uses tests/configs/e2e.yaml (a 32-wide bootstrapped model, 2 iterations of 4 prompts x 4
+samples) with real local Flyte execution, a real local Ray instance, a SQLite MLflow store and a
+local artifact store, all in a temp folder (HOME too, so Flyte's local cache is isolated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
+
+
+def _env(tmp: Path) -> dict:
+    env = dict(os.environ)
+    env.update(HOME=str(tmp / "home"), FLYROLL_CACHE_DIR=str(tmp / "cache"), RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI="")
+    env.pop("MLFLOW_TRACKING_URI")
+    (tmp / "home").mkdir(exist_ok=True)
+    return env
+
+
+def _config(tmp: Path, **sections) -> Path:
+    cfg = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
+    cfg["run"]["output_dir"] = str(tmp / "runs")
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _pyflyte_run(tmp: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", *args], cwd=tmp, env=_env(tmp),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    config = _config(tmp)
+    proc = _pyflyte_run(tmp, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return tmp, config, proc
+
+
+def _mlflow(tmp: Path):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    exp = c.get_experiment_by_name("flyroll")
+    (run,) = c.search_runs([exp.experiment_id])
+    return c, run
+
+
+def test_run_publishes_versions_that_chain_back_to_the_base(e2e_run):
+    from infra.store import ArtifactStore
+
+    tmp, _, _ = e2e_run
+    store = ArtifactStore(str(tmp / "runs" / "store"))
+    policies = [k for k in store.list("runs") if "/policy/" in k]
+    assert [k.rsplit("/", 1)[-1] for k in policies] == ["v0001", "v0002"]
+    m2, m1 = store.manifest(policies[1]), store.manifest(policies[0])
+    assert m2.parents == [policies[0]]
+    base = m1.parents[0]
+    assert base.startswith("models/tiny-") and store.manifest(base).kind == "checkpoint"
+    assert {"model.safetensors", "tokenizer.json", "config.json", "trainer_state.pt"} <= set(m2.files)
+    assert m2.metadata["iteration"] == 2
+    datasets = [k for k in store.list("datasets")]
+    assert any(k.endswith("/train") for k in datasets) and any(k.endswith("/eval") for k in datasets)
+
+
+def test_training_changed_the_parameters(e2e_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from infra.store import ArtifactStore
+
+    tmp, _, _ = e2e_run
+    store = ArtifactStore(str(tmp / "runs" / "store"))
+    final = [k for k in store.list("runs") if "/policy/" in k][-1]
+    base = store.manifest([k for k in store.list("runs") if "/policy/" in k][0]).parents[0]
+    a = load_file(f"{store.fetch(base, str(tmp_path / 'a'))}/model.safetensors")
+    b = load_file(f"{store.fetch(final, str(tmp_path / 'b'))}/model.safetensors")
+    assert a.keys() == b.keys()
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert len(changed) >= len(a) // 2, f"only {len(changed)} of {len(a)} tensors changed"
+
+
+def test_metrics_params_and_model_versions_recorded(e2e_run):
+    tmp, _, _ = e2e_run
+    c, run = _mlflow(tmp)
+    assert run.data.params["rollout.samples_per_prompt"] == "4"
+    assert run.data.tags["flyroll.status"] == "complete"
+    assert run.data.tags["flyroll.config_hash"] and run.data.tags["flyte.execution_id"]
+    steps = {k: sorted(m.step for m in c.get_metric_history(run.info.run_id, k))
+             for k in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
+                       "rollout/tokens_per_s", "rollout/response_length", "timing/rollout_s", "timing/training_s",
+                       "reward/arithmetic/accuracy", "eval/accuracy")}
+    for k, s in steps.items():
+        assert s, f"metric {k} missing"
+    assert steps["reward/mean"] == [1, 2] and steps["eval/accuracy"] == [0, 1, 2]
+    versions = c.search_model_versions("name='flyroll-policy'")
+    assert len(versions) == 2
+    assert {v.tags["flyroll.iteration"] for v in versions} == {"1", "2"}
+    assert all(v.tags["flyroll.run_id"] == run.data.tags["flyroll.run_id"] for v in versions)
+
+
+def test_rerun_resumes_and_redoes_nothing(e2e_run):
+    from infra.store import ArtifactStore
+
+    tmp, config, _ = e2e_run
+    proc = _pyflyte_run(tmp, "--config", str(config))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming run" in proc.stdout + proc.stderr
+    store = ArtifactStore(str(tmp / "runs" / "store"))
+    assert len([k for k in store.list("runs") if "/policy/" in k]) == 2
+    c, run = _mlflow(tmp)  # still exactly one parent run
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "section,values,expected",
+    [
+        ("rollout", {"temprature": 0.7}, "rollout.temprature: unknown key"),
+        ("rollout", {"samples_per_prompt": "eight"}, "rollout.samples_per_prompt: got 'eight'"),
+        ("training", {"lr": -1}, "training.lr: got -1"),
+    ],
+)
+def test_malformed_config_is_refused_before_any_cluster(tmp_path, section, values, expected):
+    proc = _pyflyte_run(tmp_path, "--config", str(_config(tmp_path, **{section: values})), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert expected in out, out[-3000:]
+    assert "Started a local Ray instance" not in out
+    assert not (tmp_path / "runs" / "store").exists()
+
+
+def test_missing_config_file_is_named(tmp_path):
+    proc = _pyflyte_run(tmp_path, "--config", "nope/missing.yaml", timeout=120)
+    assert proc.returncode != 0 and "nope/missing.yaml" in proc.stdout + proc.stderr
+
+
+def test_pyflyte_package_compiles_every_workflow_with_role_resources(tmp_path):
+    from flyteidl.admin import task_pb2
+
+    out = tmp_path / "flyte-package.tgz"
+    proc = subprocess.run([PYFLYTE, "--pkgs", "workflows", "package", "--image", "flyroll:test", "-f", "--output", str(out)],
+                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        specs = {}
+        for n in names:
+            if "tasks." in n and n.endswith(".pb"):
+                spec = task_pb2.TaskSpec()
+                spec.ParseFromString(tar.extractfile(n).read())
+                specs[n.split("_", 1)[1].rsplit("_", 1)[0]] = spec.template
+    for wf in ("workflows.rlvr.rlvr", "workflows.rlvr.rl_iteration", "workflows.rlvr.rl_loop"):
+        assert any(wf in n for n in names), wf
+    for stage, mem in (("tasks.rollout.rollout", "4Gi"), ("tasks.training.train", "6Gi"), ("tasks.reference.reference_forward", "4Gi"),
+                       ("tasks.scoring.score", "2Gi")):
+        t = specs[stage]
+        assert t.type == "ray", stage
+        requests = {r.name: r.value for r in t.container.resources.requests}
+        assert requests.get(3) == mem or mem in str(t.container.resources), (stage, t.container.resources)
+        assert "rayCluster" in json.dumps(dict(t.custom.items()), default=str)
