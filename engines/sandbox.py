@@ -566,7 +566,10 @@ def _run(cfg: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: floa
         exit_code = None
     else:
         exit_code = proc.returncode
-    max_rss_kb = max(rusage.ru_maxrss, exit_ev["maxrss_kb"] if exit_ev else 0)
+    # The in-sandbox init measures the program's own peak (wait4 on the worker). The host-side rusage
+    # of the launcher also counts the pages it shared with this (possibly large) process right after
+    # fork, so it is only a fallback when the program died before reporting.
+    max_rss_kb = exit_ev["maxrss_kb"] if exit_ev else rusage.ru_maxrss
     verdict, passed = _decide(events, exit_code, timed_out, tests_total, stderr)
     return Verdict(verdict=verdict, exit_code=exit_code,
                    stdout=bufs[out_fd].decode("utf-8", "replace"),

@@ -9,7 +9,19 @@ mode does on a real cluster. `shutdown()` ends it at the end of the run.
 
 from __future__ import annotations
 
+import logging
 import os
+
+
+class _QuietReinit(logging.Filter):
+    """Every Ray task of a local run calls ray.init() on the shared instance; Ray logs each at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Calling ray.init() again" not in record.getMessage()
+
+
+for _name in ("ray", "ray._private.worker", "ray.worker"):
+    logging.getLogger(_name).addFilter(_QuietReinit())
 
 # Handles of the actors this process created, by name. A named Ray actor that is not detached is
 # still garbage-collected once no handle to it exists, so a local run keeps its handles here.
@@ -41,7 +53,7 @@ def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict,
         name = f"flyroll/{run_id}/{role}/{i}"
         # detached: a local run's actors outlive the task that made them (the local Ray instance, and
         # they with it, ends with the run); on a cluster the task's Ray cluster ends them anyway
-        handle = actor_cls.options(name=name, get_if_exists=True, lifetime="detached", max_concurrency=1, **options).remote(**init_kwargs)
+        handle = actor_cls.options(name=name, namespace="flyroll", get_if_exists=True, lifetime="detached", max_concurrency=1, **options).remote(**init_kwargs)
         _HANDLES[name] = handle
         actors.append(handle)
     return actors
@@ -54,7 +66,7 @@ def kill_pool(role: str, count: int, run_id: str) -> None:
         name = f"flyroll/{run_id}/{role}/{i}"
         _HANDLES.pop(name, None)
         try:
-            ray.kill(ray.get_actor(name))
+            ray.kill(ray.get_actor(name, namespace="flyroll"))
         except ValueError:
             pass
 

@@ -14,7 +14,12 @@ from infra import tracking
 from infra.store import ArtifactStore
 from tasks.types import ROLLOUT_COLUMNS, RunSpec
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# what the terminal shows per stage (everything goes to MLflow)
+_SHOWN = ("rollout/response_length", "rollout/truncated_frac", "reward/mean", "reward/errors", "reference/kl_k3",
+          "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "training/tokens_per_s",
+          "weight_sync/bytes", "eval/accuracy")
 
 
 def config_of(spec: RunSpec) -> FlyrollConfig:
@@ -54,13 +59,13 @@ def execution_id() -> str:
 def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
     """Times a stage, logs `timing/<name>_s` + the stage's metrics to MLflow at step=iteration."""
     t0 = time.perf_counter()
-    console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<12} …")
     yield
     dt = time.perf_counter() - t0
     metrics[f"timing/{name}_s"] = dt
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, metrics, step=iteration)
-    shown = "  ".join(f"{k}={v:.3g}" for k, v in metrics.items() if not k.startswith("timing/") and "/" in k)[:200]
-    console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<12} [green]{dt:6.2f}s[/]  {shown}")
+    keys = [k for k in _SHOWN if k in metrics] + sorted(k for k in metrics if k.startswith("eval/accuracy/"))
+    shown = "  ".join(f"{k}={metrics[k]:.3g}" for k in keys)
+    console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<11} [green]{dt:6.2f}s[/]  {shown}")
 
 
 def check_columns(df: pd.DataFrame, *stages: str) -> None:

@@ -85,6 +85,10 @@ def make_dataset(spec: RunSpec) -> DatasetRef:
 
 @task(cache=Cache(version="1", serialize=True), **task_resources("bootstrap"))
 def bootstrap_policy(model_spec: str) -> PolicyRef:
+    return build_base_policy(model_spec)
+
+
+def build_base_policy(model_spec: str) -> PolicyRef:
     """The starting policy. With `model.path` unset: build a tiny Qwen2 + char tokenizer offline and
     pre-train it on the bundled tasks (cached by Flyte and by the store key); with a local model
     directory: import it into the store; with a store key: use it as is."""
@@ -134,8 +138,16 @@ def bootstrap_policy(model_spec: str) -> PolicyRef:
 
 
 @task(**task_resources("weight_sync"))
-def resume_point(spec: RunSpec, base: PolicyRef) -> PolicyRef:
-    """Where the loop starts: the last published policy of this run (resume), else the base policy."""
+def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
+    """Where the loop starts: the last published policy of this run (resume), else the base policy.
+
+    A cached `bootstrap_policy` output can outlive its artifact (someone deleted the store folder):
+    then the base is rebuilt here, so a cache hit never hands the loop a missing checkpoint."""
+    if not store_of(spec).exists(base.key):
+        console.print(f"[yellow]base policy {base.key} is missing from the store (cached output of a deleted store); rebuilding[/]")
+        rebuilt = build_base_policy(model_spec)
+        if rebuilt.key != base.key:
+            raise ValueError(f"rebuilt base policy {rebuilt.key} differs from the cached {base.key}")
     versions = store_of(spec).list(f"runs/{spec.run_id}/policy/")
     if not versions:
         return base

@@ -69,7 +69,7 @@ def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
     spec, model_spec = prepare_run(config=config, restart=restart)
     dataset = make_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
-    start = resume_point(spec=spec, base=base)
+    start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
     out = rl_loop(spec=spec, start=start, reference=base, dataset=dataset, last=last, eval_every=eval_every)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)

@@ -17,6 +17,7 @@ from engines.algorithms.registry import (
 )
 from engines.algorithms.aggregate import LOSS_AGG_MODES, agg_loss, global_counts, masked_mean, masked_sum
 from engines.algorithms import advantages, critic, kl, normalize, policy_losses, shaping  # noqa: F401  (registers)
+from engines.algorithms import gigpo  # noqa: F401  (registers)
 from engines.algorithms.critic import value_loss
 from engines.algorithms.kl import AdaptiveKLController, FixedKLController, adaptive_kl_coef
 from engines.algorithms.normalize import RunningStats, masked_whiten, normalize_rewards

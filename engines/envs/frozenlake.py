@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import random
 
-from gymnasium.envs.toy_text.frozen_lake import generate_random_map
-
 from engines.envs.base import DELTAS, INVALID_PENALTY, MOVES, bfs, parse_move, step_info
 
 _TILE = {"S": ".", "F": ".", "H": "o", "G": "g"}
@@ -26,7 +24,7 @@ _TILE = {"S": ".", "F": ".", "H": "o", "G": "g"}
 
 class FrozenLake:
     name = "frozenlake"
-    instructions = "frozenlake: walk p to g over ice . without falling in a hole o. reply with one move: left, down, right or up.\n"
+    instructions = "frozenlake: walk p to g, avoid holes o. moves: left down right up.\n"
 
     def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = False,
                  invalid_penalty: float = INVALID_PENALTY, goal_reward: float = 1.0):
@@ -41,6 +39,8 @@ class FrozenLake:
 
     # ------------------------------------------------------------------ protocol
     def reset(self, seed: int) -> str:
+        from gymnasium.envs.toy_text.frozen_lake import generate_random_map  # the map generator is gymnasium's
+
         self.desc = generate_random_map(size=self.size, p=self.p, seed=seed)
         self.pos, self.done = (0, 0), False
         self._rng = random.Random(seed)
@@ -96,7 +96,7 @@ class FrozenLake:
         rows = []
         for r, line in enumerate(self.desc):
             chars = [_TILE[ch] for ch in line]
-            if (r, self.pos[1]) == self.pos[0:1] + (self.pos[1],) and r == self.pos[0]:
+            if r == self.pos[0]:
                 chars[self.pos[1]] = "p"
             rows.append("".join(chars))
         return "\n".join(rows) + "\n"

@@ -41,6 +41,8 @@ _LAZY = {
     "math": "engines.rewards.math:math_reward",
     "code": "engines.rewards.code:code_reward",
     "format": "engines.rewards.fmt:format_reward",
+    "ifeval": "engines.rewards.ifeval:ifeval_reward",
+    "reasoning_gym": "engines.sources:reasoning_gym_reward",
 }
 
 

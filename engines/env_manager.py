@@ -1,0 +1,241 @@
+"""The environment manager: many multi-turn episodes in lock-step, one batched generation per turn.
+
+Token-in/token-out. An episode is kept as token ids, never as text to re-tokenise:
+    prompt_token_ids   = tokenize(instructions + first observation)            (once)
+    response_token_ids = a_1 + o_1 + a_2 + o_2 + ... + a_n
+where a_k are the policy's generated ids of turn k exactly as the engine returned them (EOS
+included when sampled) and o_k = tokenize(reply of the environment to a_k). The next turn's
+context is prompt + response so far, so the training sequence is exactly what the policy saw and
+produced. ``loss_mask`` is 1 on the a_k tokens and 0 on the o_k tokens; ``behaviour_logprobs``
+holds the engine's log-probs on a_k and 0.0 on o_k. The environment's reply to the last action
+(or to an action that ends the episode) is not appended: the policy never reads it.
+
+Truncation: before appending a reply, if prompt + response + reply + ``max_new_tokens`` would pass
+``max_context_tokens`` the episode stops there with ``truncated = True`` (the reply is dropped).
+An environment that raises in ``step`` ends its episode (``env_error`` set), never the batch.
+
+Notation: E episodes (= len(seeds) × group_size), n turns per episode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+
+from engines.envs import make_env
+from engines.generation import GenerationEngine, SamplingParams
+
+
+@dataclass
+class Episode:
+    seed: int
+    group_id: int                        # index of the seed in ``seeds``; the GRPO/GiGPO group
+    sample_id: int                       # 0..group_size-1
+    prompt: str                          # decoded first prompt (instructions + first observation)
+    prompt_token_ids: list[int]
+    response_token_ids: list[int] = field(default_factory=list)   # a_1 o_1 a_2 o_2 ... a_n
+    loss_mask: list[int] = field(default_factory=list)            # 1 on policy tokens, 0 on env tokens
+    behaviour_logprobs: list[float] = field(default_factory=list) # engine log-probs; 0.0 on env tokens
+    turn_index: list[int] = field(default_factory=list)           # turn (0-based) of each policy token, -1 on env tokens
+    actions: list[str] = field(default_factory=list)              # decoded a_k
+    env_replies: list[str] = field(default_factory=list)          # o_k as appended (n or n-1 of them)
+    turn_rewards: list[float] = field(default_factory=list)       # reward of each turn
+    state_keys: list[str] = field(default_factory=list)           # env state before each action (GiGPO anchor)
+    valid_actions: list[bool] = field(default_factory=list)
+    effective_actions: list[bool] = field(default_factory=list)
+    success: bool = False
+    done: bool = False                   # the environment ended the episode
+    truncated: bool = False              # stopped by max_context_tokens
+    env_error: str | None = None         # the exception an env.step raised, if any
+    final_reply: str = ""                # the environment's last reply (not in the token sequence)
+
+    @property
+    def turns(self) -> int:
+        return len(self.actions)
+
+    @property
+    def episode_return(self) -> float:
+        return float(sum(self.turn_rewards))
+
+    @property
+    def num_effective(self) -> int:
+        return sum(self.effective_actions)
+
+    @property
+    def num_invalid(self) -> int:
+        return sum(not v for v in self.valid_actions)
+
+    @property
+    def finish_reason(self) -> str:
+        """``done`` | ``max_turns`` | ``truncated`` | ``env_error``."""
+        if self.env_error is not None:
+            return "env_error"
+        if self.truncated:
+            return "truncated"
+        return "done" if self.done else "max_turns"
+
+    @property
+    def transcript(self) -> str:
+        """Readable text of the episode (for decks and logs)."""
+        head = (f"seed {self.seed}, group {self.group_id}, sample {self.sample_id}: "
+                f"{'success' if self.success else 'failure'}, return {self.episode_return:.2f}, "
+                f"{self.turns} turns, {self.finish_reason}")
+        lines = [head, self.prompt.rstrip("\n")]
+        for k, action in enumerate(self.actions):
+            flags = "valid" if self.valid_actions[k] else "invalid"
+            flags += ", effective" if self.effective_actions[k] else ""
+            lines.append(f"[turn {k + 1}] policy: {action.strip()!s}   (reward {self.turn_rewards[k]:.2f}, {flags})")
+            reply = self.env_replies[k] if k < len(self.env_replies) else self.final_reply
+            if reply:
+                lines.append(f"[turn {k + 1}] env: " + reply.strip("\n"))
+        if self.env_error:
+            lines.append(f"[env error] {self.env_error}")
+        return "\n".join(lines)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reply_text(action_text: str, observation: str) -> str:
+    """The text appended after an action: the observation, on a new line if the action had none."""
+    return observation if action_text.endswith("\n") or not action_text else "\n" + observation
+
+
+def run_episodes(
+    engine: GenerationEngine,
+    tokenizer,
+    env_name: str,
+    seeds: list[int],
+    *,
+    group_size: int,
+    max_turns: int,
+    max_context_tokens: int,
+    sampling: SamplingParams,
+    env_kwargs: dict | None = None,
+) -> list[Episode]:
+    """Run ``len(seeds) × group_size`` episodes of ``env_name`` in lock-step; one
+    ``engine.generate`` call per turn over all live episodes (n=1 each). Returns the episodes
+    ordered by (group, sample). Use ``sampling.stop=("\\n",)`` so a turn ends at its line."""
+    if group_size < 1 or max_turns < 1:
+        raise ValueError(f"group_size and max_turns must be >= 1, got {group_size} and {max_turns}")
+    envs, episodes = [], []
+    for g, seed in enumerate(seeds):
+        for s in range(group_size):
+            env = make_env(env_name, **(env_kwargs or {}))
+            try:
+                first = env.instructions + env.reset(seed)
+            except Exception as e:  # a broken reset is a configuration error: say which seed
+                raise RuntimeError(f"environment {env_name!r} failed to reset with seed {seed}: {e!r}") from e
+            ids = _encode(tokenizer, first)
+            if len(ids) + sampling.max_new_tokens > max_context_tokens:
+                raise ValueError(f"max_context_tokens={max_context_tokens} is too small: the first prompt of {env_name!r} "
+                                 f"seed {seed} has {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens}")
+            envs.append(env)
+            episodes.append(Episode(seed=seed, group_id=g, sample_id=s, prompt=first, prompt_token_ids=ids))
+    live = list(range(len(episodes)))
+    for turn in range(max_turns):
+        if not live:
+            break
+        params = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + 1009 * turn)
+        contexts = [episodes[i].prompt_token_ids + episodes[i].response_token_ids for i in live]
+        completions = sorted(engine.generate(contexts, params), key=lambda c: (c.prompt_index, c.sample_index))
+        still_live = []
+        for i, comp in zip(live, completions):
+            ep, env = episodes[i], envs[i]
+            ep.state_keys.append(env.state_key())
+            ep.response_token_ids += comp.token_ids
+            ep.loss_mask += [1] * len(comp.token_ids)
+            ep.behaviour_logprobs += [float(x) for x in comp.logprobs]
+            ep.turn_index += [turn] * len(comp.token_ids)
+            action = tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            ep.actions.append(action)
+            try:
+                observation, reward, done, info = env.step(action)
+            except Exception as e:  # costs this episode only
+                observation, reward, done, info = "", 0.0, True, {"valid_action": False, "effective": False, "success": False}
+                ep.env_error = f"{type(e).__name__}: {e}"
+            ep.turn_rewards.append(float(reward))
+            ep.valid_actions.append(bool(info.get("valid_action", False)))
+            ep.effective_actions.append(bool(info.get("effective", False)))
+            ep.success = bool(info.get("success", False))
+            if done or ep.env_error is not None or turn == max_turns - 1:
+                ep.done, ep.final_reply = bool(done) and ep.env_error is None, observation
+                continue
+            reply = reply_text(action, observation)
+            reply_ids = _encode(tokenizer, reply)
+            context_len = len(ep.prompt_token_ids) + len(ep.response_token_ids) + len(reply_ids)
+            if context_len + sampling.max_new_tokens > max_context_tokens:
+                ep.truncated, ep.final_reply = True, reply
+                continue
+            ep.env_replies.append(reply)
+            ep.response_token_ids += reply_ids
+            ep.loss_mask += [0] * len(reply_ids)
+            ep.behaviour_logprobs += [0.0] * len(reply_ids)
+            ep.turn_index += [-1] * len(reply_ids)
+            still_live.append(i)
+        live = still_live
+    return episodes
+
+
+def token_rewards(episode: Episode, per_turn: bool = False) -> list[float]:
+    """Rewards aligned with ``response_token_ids``: the episode return on the last policy token
+    (``per_turn=False``, trajectory level), or each turn's reward on that turn's last policy token."""
+    out = [0.0] * len(episode.response_token_ids)
+    last_of_turn: dict[int, int] = {}
+    for pos, k in enumerate(episode.turn_index):
+        if k >= 0:
+            last_of_turn[k] = pos
+    if not last_of_turn:
+        return out
+    if per_turn:
+        for k, pos in last_of_turn.items():
+            out[pos] += episode.turn_rewards[k]
+    else:
+        out[max(last_of_turn.values())] = episode.episode_return
+    return out
+
+
+def episode_metrics(episodes: list[Episode], prefix: str = "env") -> dict[str, float]:
+    """``env/success_rate``, ``env/effective_action_rate`` and ``env/invalid_action_rate`` (shares of
+    all actions), ``env/turns`` and ``env/return`` (means per episode), ``env/truncated_rate``,
+    ``env/env_error_rate``."""
+    if not episodes:
+        return {}
+    actions = sum(ep.turns for ep in episodes) or 1
+    return {
+        f"{prefix}/success_rate": statistics.fmean(float(ep.success) for ep in episodes),
+        f"{prefix}/effective_action_rate": sum(ep.num_effective for ep in episodes) / actions,
+        f"{prefix}/invalid_action_rate": sum(ep.num_invalid for ep in episodes) / actions,
+        f"{prefix}/turns": statistics.fmean(ep.turns for ep in episodes),
+        f"{prefix}/return": statistics.fmean(ep.episode_return for ep in episodes),
+        f"{prefix}/truncated_rate": statistics.fmean(float(ep.truncated) for ep in episodes),
+        f"{prefix}/env_error_rate": statistics.fmean(float(ep.env_error is not None) for ep in episodes),
+    }
+
+
+def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None) -> list[tuple[str, str]]:
+    """(prompt, response) demonstrations by the environment's scripted solver, laid out exactly as
+    ``run_episodes`` lays out text (each action on its own line, then the environment's reply; no
+    reply after the last action). Re-plans after every step (slippery FrozenLake); seeds the solver
+    cannot finish within ``max_turns`` are skipped. For ``engines.pretrain.supervised_finetune``."""
+    pairs = []
+    for seed in seeds:
+        env = make_env(env_name, **(env_kwargs or {}))
+        prompt = env.instructions + env.reset(seed)
+        response, success = "", False
+        for turn in range(max_turns):
+            plan = env.solve()
+            if not plan:
+                break
+            action = plan[0] + "\n"
+            observation, _, done, info = env.step(action)
+            response += action
+            if done or turn == max_turns - 1:
+                success = bool(info.get("success"))
+                break
+            response += reply_text(action, observation)
+        if success:
+            pairs.append((prompt, response))
+    return pairs

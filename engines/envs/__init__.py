@@ -1,0 +1,34 @@
+"""Multi-turn text environments, chosen by name (see docs/agentic.md).
+
+Adding an environment is one file: a class with the ``TextEnv`` protocol of ``base.py``, then
+one line in ``ENVIRONMENTS`` below.
+"""
+
+from __future__ import annotations
+
+from engines.envs.base import INVALID_PENALTY, MOVES, TextEnv, bfs, parse_move, step_info
+from engines.envs.frozenlake import FrozenLake
+from engines.envs.sokoban import Sokoban, generate_room
+from engines.envs.tool_math import ToolMath, safe_eval
+
+ENVIRONMENTS: dict[str, type] = {
+    "frozenlake": FrozenLake,
+    "sokoban": Sokoban,
+    "tool_math": ToolMath,
+}
+
+
+def make_env(name: str, **kwargs) -> TextEnv:
+    """A fresh environment ``name`` built with ``kwargs`` (its constructor options)."""
+    try:
+        cls = ENVIRONMENTS[name]
+    except KeyError:
+        raise KeyError(f"unknown environment {name!r}; known: {sorted(ENVIRONMENTS)}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"environment {name!r}: bad options {sorted(kwargs)}: {e}") from None
+
+
+__all__ = ["ENVIRONMENTS", "make_env", "TextEnv", "FrozenLake", "Sokoban", "ToolMath", "generate_room",
+           "safe_eval", "parse_move", "step_info", "bfs", "MOVES", "INVALID_PENALTY"]

