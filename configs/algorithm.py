@@ -135,6 +135,16 @@ class AlgorithmConfig(BaseModel):
         description="Value clip for the critic loss (PPO2): the new value may move at most this far "
         "from the old one before the loss stops rewarding it. None = unclipped MSE. gae only.",
     )
+    critic_lr: float = Field(
+        1e-3, gt=0.0, le=1.0,
+        description="Critic learning rate (its own AdamW). The critic starts from the policy backbone "
+        "with a fresh value head, so it usually takes a higher rate than the actor. gae only.",
+    )
+    critic_warmup_iterations: int = Field(
+        0, ge=0,
+        description="Iterations at the start of a run in which only the critic is trained (the actor "
+        "is left unchanged), so GAE starts from useful values instead of an untrained head. gae only.",
+    )
 
     # --- KL and entropy ---------------------------------------------------------------------
     kl_estimator: str = Field(
@@ -220,6 +230,12 @@ class AlgorithmConfig(BaseModel):
         description="Dynamic sampling (DAPO 2503.14476): drop groups whose rewards are all equal "
         "(zero advantage) and sample more prompts to refill the batch. Better gradient per batch, "
         "more rollout cost.",
+    )
+    max_generation_rounds: int = Field(
+        4, ge=1, le=100,
+        description="Dynamic sampling: the most generation calls per iteration, the rollout's own "
+        "included (DAPO's max_num_gen_batches). Each refill samples prompts_per_iteration new "
+        "prompts; when the cap is hit the batch trains on the groups it has. filter_groups only.",
     )
 
     @field_validator("advantage")

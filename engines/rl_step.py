@@ -1,18 +1,26 @@
-"""From a scored rollout table to one actor update: the training stage's computation.
+"""From a scored rollout table to the inputs of one actor (and critic) update: the training stage's
+computation before the engines run.
 
-`table_to_batch` turns rows into padded tensors; `advantages_from_table` applies reward shaping,
-the KL-in-reward penalty (when KL is not a loss term) and the advantage estimator chosen in the
-config; `train_on_table` runs the engine's update. Everything here is plain PyTorch.
+`table_to_batch` turns rows into padded tensors; `prepare_update` applies reward shaping, the
+KL-in-reward penalty (when KL is not a loss term) and the advantage estimator chosen in the config,
+and advances the objective's cross-iteration state (`AlgorithmState`: adaptive KL coefficient,
+reinforce EMA baseline, running reward statistics), which the trainer keeps and checkpoints.
+Everything here is plain PyTorch.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 
 from configs.algorithm import AlgorithmConfig
-from engines.algorithms.objective import apply_kl_penalty, compute_advantages, shape_rewards
+from engines.algorithms.aggregate import masked_mean
+from engines.algorithms.normalize import RunningStats
+from engines.algorithms.objective import apply_kl_penalty, compute_advantages, make_kl_controller, shape_rewards
+from engines.algorithms.registry import get_kl
 from engines.batching import TokenBatch, collate
 
 
@@ -46,19 +54,82 @@ def group_index(df: pd.DataFrame) -> torch.Tensor:
     return torch.as_tensor(codes, dtype=torch.long)
 
 
-def advantages_from_table(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, *, kl_coef: float | None = None):
-    """(advantages [B,T], response_mask [B,T] after masks, metrics)."""
+@dataclass
+class AlgorithmState:
+    """The objective's state across iterations; plain floats, saved in each checkpoint's
+    trainer_state.pt so a resumed run continues it.
+
+    kl_coef:      current β of the KL controller (None = not started: cfg.kl_coef)
+    ema_baseline: reinforce EMA baseline (None = not started)
+    reward_stats: running reward normalisation (count, mean, m2) (None = not started)
+    """
+
+    kl_coef: float | None = None
+    ema_baseline: float | None = None
+    reward_stats: tuple[float, float, float] | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "AlgorithmState":
+        d = d or {}
+        stats = d.get("reward_stats")
+        return cls(d.get("kl_coef"), d.get("ema_baseline"), None if stats is None else tuple(float(x) for x in stats))
+
+
+@dataclass
+class UpdateInputs:
+    """advantages, returns, response_mask: [B,T]; values: [B,T] critic values (gae) or None;
+    kl_coef: β for this update; state: the state after this batch; metrics."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    response_mask: torch.Tensor
+    values: torch.Tensor | None
+    kl_coef: float
+    state: AlgorithmState
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, state: AlgorithmState | None = None) -> UpdateInputs:
+    """Shaping, KL penalty and advantages of one scored table, with the carried state."""
+    state = state or AlgorithmState()
     T = batch.responses.shape[1]
     scores = torch.as_tensor(df["reward"].to_numpy(dtype=np.float32))                 # [B]
     index = group_index(df)                                                           # [B]
-    truncated = torch.as_tensor((df["finish_reason"] == "length").to_numpy().copy())       # [B]
-    rewards, mask, _, metrics = shape_rewards(cfg, scores, batch.response_mask, index, truncated=truncated)
-    if not cfg.use_kl_loss and cfg.kl_coef > 0:
-        rewards, m = apply_kl_penalty(
-            cfg, rewards, token_column(df, "old_logprobs", T), token_column(df, "ref_logprobs", T), mask, kl_coef=kl_coef
-        )
-        metrics.update(m)
+    truncated = torch.as_tensor((df["finish_reason"] == "length").to_numpy().copy())  # [B]
+    stats = None if state.reward_stats is None else RunningStats(*state.reward_stats)
+    rewards, mask, stats, metrics = shape_rewards(cfg, scores, batch.response_mask, index, truncated=truncated,
+                                                  reward_stats=stats)
+    ctrl = make_kl_controller(cfg)
+    if state.kl_coef is not None:
+        ctrl.value = state.kl_coef
+    kl_coef = float(ctrl.value)
+    has_logprobs = {"old_logprobs", "ref_logprobs"} <= set(df.columns)
+    if has_logprobs:
+        old, ref = token_column(df, "old_logprobs", T), token_column(df, "ref_logprobs", T)       # [B,T]
+        if not cfg.use_kl_loss and cfg.kl_coef > 0:
+            rewards, m = apply_kl_penalty(cfg, rewards, old, ref, mask, kl_coef=kl_coef)
+            metrics.update(m)
+        # the KL the adaptive controller steers on: the sampling policy vs the reference, this batch
+        estimator = get_kl("k3" if cfg.kl_estimator == "full" else cfg.kl_estimator)
+        current_kl = float(masked_mean(estimator(old, ref), mask.float()))
+        ctrl.update(current_kl, n_steps=len(df))
+        metrics["actor/kl_ctrl_current_kl"] = current_kl
     values = token_column(df, "values", T) if "values" in df.columns else None
-    adv, _returns, m = compute_advantages(cfg, rewards, mask, index, values)
+    adv, returns, m = compute_advantages(cfg, rewards, mask, index, values, ema_baseline=state.ema_baseline)
     metrics.update(m)
-    return adv, mask, metrics
+    new_state = AlgorithmState(
+        kl_coef=float(ctrl.value),
+        ema_baseline=m.get("advantage/ema_baseline", state.ema_baseline),
+        reward_stats=None if stats is None else tuple(float(x) for x in stats),
+    )
+    return UpdateInputs(adv, returns, mask, values, kl_coef, new_state, metrics)
+
+
+def advantages_from_table(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, *, kl_coef: float | None = None):
+    """(advantages [B,T], response_mask [B,T] after masks, metrics): `prepare_update` without
+    carried state (one-off use, tests and hand scripts)."""
+    u = prepare_update(df, batch, cfg, AlgorithmState(kl_coef=kl_coef))
+    return u.advantages, u.response_mask, u.metrics

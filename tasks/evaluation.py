@@ -11,8 +11,8 @@ from flytekit import task
 from infra import decks, tracking
 from infra.ray_session import is_local_execution, shutdown
 from infra.resources import ray_job, task_resources
-from tasks.common import config_of, console, fetch_cached, stage
-from tasks.rollout import generation_pool
+from tasks.common import config_of, console, stage
+from tasks.rollout import generation_pool, read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
@@ -22,7 +22,7 @@ def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "evaluation", policy.version, metrics):
-        table = pd.read_parquet(f"{fetch_cached(spec, dataset.eval_key)}/eval.parquet")
+        table = read_table(spec, dataset.eval_key)
         workers = generation_pool(spec, policy)
         result, rows = ray.get(workers[0].evaluate.remote(table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template))
         metrics.update({f"eval/{k}": v for k, v in result.items()})

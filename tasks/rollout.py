@@ -26,6 +26,20 @@ def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
     return workers
 
 
+def read_table(spec: RunSpec, key: str) -> pd.DataFrame:
+    """A published prompt table (train or eval split), nested columns decoded."""
+    import glob
+
+    from engines.datasets import decode_nested
+
+    (path,) = glob.glob(f"{fetch_cached(spec, key)}/*.parquet")
+    df = pd.read_parquet(path)
+    for col in ("answer", "tests", "metadata"):
+        if col not in df.columns:
+            df[col] = None
+    return decode_nested(df)
+
+
 def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int) -> pd.DataFrame:
     """Prompts of iteration `iteration` (1-based): consecutive slices of a per-epoch shuffle, so every
     prompt is used once per epoch and the choice is reproducible from (seed, iteration)."""
@@ -47,8 +61,14 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
     r = cfg.rollout
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
-        train = pd.read_parquet(f"{fetch_cached(spec, dataset.train_key)}/train.parquet")
-        prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
+        train = read_table(spec, dataset.train_key)
+        if cfg.data.domain_weights:  # per-domain quotas every batch (ROLL's domain_interleave_probs)
+            from engines.datasets import mix_domains, realised_mix, split_by_domain
+
+            prompts = mix_domains(split_by_domain(train), dict(cfg.data.domain_weights), r.prompts_per_iteration,
+                                  seed=cfg.run.seed * 1_000_003 + iteration).reset_index(drop=True)
+        else:
+            prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
         workers = generation_pool(spec, policy)
         ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
         params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
@@ -62,16 +82,20 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
                 rows.append({
                     "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
                     "domain": p["domain"], "prompt": p["prompt"], "answer": p["answer"],
+                    "tests": p["tests"], "metadata": p["metadata"],
                     "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
                     "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
                     "finish_reason": c.finish_reason, "policy_version": policy.version,
                 })
-        df = pd.DataFrame(rows)
+        from engines.datasets import encode_nested
+
+        df = encode_nested(pd.DataFrame(rows))  # tests/metadata as JSON text through parquet
         lengths = df["response_token_ids"].map(len)
         metrics.update({
             "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),
             "rollout/truncated_frac": float((df["finish_reason"] == "length").mean()),
             "rollout/tokens": float(lengths.sum()),
+            **{f"rollout/mix/{k}": v for k, v in df["domain"].value_counts(normalize=True).items()},
         })
     metrics_tps = metrics["rollout/tokens"] / max(metrics["timing/rollout_s"], 1e-9)
     from infra import tracking

@@ -1,6 +1,17 @@
-"""Scoring: verifiable rewards per domain in reward-worker actors; a broken reward costs one sample."""
+"""Scoring: verifiable rewards per domain in reward-worker actors; a broken reward costs one sample.
+
+With dynamic sampling (`algorithm.filter_groups`, DAPO arXiv 2503.14476) the stage also drops the
+groups whose rewards are all equal (zero group-relative advantage) and refills the batch: it samples
+groups for further prompts with the run's generation actors, scores them and keeps the informative
+ones, until it has `rollout.prompts_per_iteration` groups or has made
+`algorithm.max_generation_rounds` generation calls (the rollout's included); then it trains on what
+it has (on the unfiltered batch when no group at all is informative).
+"""
 
 from __future__ import annotations
+
+import glob
+import typing
 
 import numpy as np
 import pandas as pd
@@ -9,12 +20,15 @@ from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution, kill_pool
 from infra.resources import actor_options, ray_job, task_resources
-from tasks.common import check_columns, config_of, console, stage
-from tasks.types import RunSpec
+from tasks.common import check_columns, config_of, console, fetch_cached, stage
+from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import RewardWorker
 
 
 def _items(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
+    from engines.datasets import decode_nested
+
+    df = decode_nested(df)  # tests/metadata travel through parquet as JSON text
     keep = [c for c in ("prompt", "answer", "domain", "tests", "metadata") if c in df.columns]
     return [(row["domain"], row["response"], {k: row[k] for k in keep}) for _, row in df.iterrows()]
 
@@ -57,16 +71,134 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     return rewards, errors
 
 
+def informative_groups(cfg, df: pd.DataFrame) -> list:
+    """group_ids that `objective.select_groups` keeps (rewards not all equal), in order of appearance."""
+    import torch
+
+    from engines.algorithms.objective import select_groups
+
+    codes, _ = pd.factorize(df["group_id"])
+    keep, _ = select_groups(cfg.algorithm, torch.as_tensor(df["reward"].to_numpy(dtype=np.float32)),
+                            torch.as_tensor(codes, dtype=torch.long))
+    return list(dict.fromkeys(df["group_id"][keep.numpy()]))
+
+
+def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
+    rewards, errors = score_table(spec, df)
+    df = df.copy()
+    df["reward"] = rewards
+    df["reward_error"] = errors
+    return df
+
+
+def _refill_sources(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef | None, dataset: DatasetRef | None) -> tuple[list, pd.DataFrame]:
+    """(generation actors serving the policy that sampled `df`, the train prompt table).
+
+    The workflow should pass `policy` and `dataset` to `score`; without them the train split comes
+    from the run's MLflow tag (set by make_dataset), the policy from its version (published key),
+    and at version 0 (the base, whose key only prepare knows) the live actors of a local run are
+    used as they are: the rollout has just loaded that policy into them."""
+    from engines.datasets import decode_nested
+    from infra import tracking
+    from tasks.rollout import generation_pool
+    from tasks.training import policy_key
+
+    cfg = config_of(spec)
+    train_key = dataset.train_key if dataset else \
+        tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags["flyroll.dataset.train"]
+    (path,) = glob.glob(f"{fetch_cached(spec, train_key)}/*.parquet")
+    train = decode_nested(pd.read_parquet(path))
+    version = int(df["policy_version"].iloc[0])
+    if policy is None and version > 0:
+        policy = PolicyRef(key=policy_key(spec, version), version=version)
+    if policy is not None:
+        return generation_pool(spec, policy), train
+    if not is_local_execution():
+        raise ValueError("dynamic sampling (algorithm.filter_groups) at iteration 1 needs the workflow to pass "
+                         "policy= and dataset= to the score task")
+    from tasks.workers import GenerationWorker
+
+    workers = actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id,
+                         {"threads": cfg.run.torch_threads, "micro_batch": cfg.rollout.micro_batch},
+                         actor_options("rollout", True))
+    return workers, train
+
+
+def _sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int) -> pd.DataFrame:
+    """G samples for each prompt, one row per sample. Duplicates the row construction of
+    tasks/rollout.py:rollout (same columns and group ids); keep the two in sync."""
+    from engines.datasets import encode_nested
+    from engines.generation import SamplingParams
+
+    cfg = config_of(spec)
+    r = cfg.rollout
+    ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
+    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+    shards = np.array_split(np.arange(len(ids)), len(workers))
+    futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
+    extra = [c for c in ("answer", "tests", "metadata") if c in prompts.columns]
+    rows = []
+    for shard, completions in zip(shards, ray.get(futures)):
+        for c in completions:
+            p = prompts.iloc[int(shard[c.prompt_index])]
+            rows.append({
+                "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
+                "domain": p["domain"], "prompt": p["prompt"], **{k: p[k] for k in extra},
+                "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
+                "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
+                "finish_reason": c.finish_reason, "policy_version": version,
+            })
+    return encode_nested(pd.DataFrame(rows))
+
+
+def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: PolicyRef | None,
+                     dataset: DatasetRef | None) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Keep informative groups of the scored `df`, refilling with new prompts (see module doc)."""
+    from tasks.rollout import iteration_prompts
+
+    cfg = config_of(spec)
+    want, rounds, max_rounds = cfg.rollout.prompts_per_iteration, 1, cfg.algorithm.max_generation_rounds
+    seen = df["group_id"].nunique()
+    parts = [df[df["group_id"].isin(informative_groups(cfg, df))]]
+    kept = parts[0]["group_id"].nunique()
+    if kept < want and rounds < max_rounds:
+        workers, train = _refill_sources(spec, df, policy, dataset)
+        used = set(df["prompt_id"])
+        while kept < want and rounds < max_rounds:
+            prompts = iteration_prompts(train, want, iteration, cfg.run.seed + 7919 * rounds)
+            prompts = prompts[~prompts["prompt_id"].isin(used)].drop_duplicates("prompt_id")
+            used |= set(prompts["prompt_id"])
+            rounds += 1
+            if prompts.empty:
+                continue
+            more = _scored(spec, _sample_groups(spec, workers, prompts, int(df["policy_version"].iloc[0]), iteration,
+                                                cfg.run.seed * 100_003 + iteration + 50_021 * rounds))
+            seen += more["group_id"].nunique()
+            parts.append(more[more["group_id"].isin(informative_groups(cfg, more))])
+            kept += parts[-1]["group_id"].nunique()
+    out = pd.concat(parts, ignore_index=True)
+    groups = list(dict.fromkeys(out["group_id"]))[:want]
+    out = out[out["group_id"].isin(groups)].reset_index(drop=True)
+    if out.empty:
+        console.print(f"[yellow]dynamic sampling: no informative group in {rounds} generation rounds; training on the unfiltered batch[/]")
+        out = df
+    metrics = {"dynamic_sampling/kept_groups": float(len(groups)), "dynamic_sampling/dropped_groups": float(seen - kept),
+               "dynamic_sampling/generation_rounds": float(rounds), "dynamic_sampling/samples": float(len(out))}
+    return out, metrics
+
+
 @task(task_config=ray_job("scoring"), **task_resources("scoring"))
-def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
-    """Adds `reward` and `reward_error` to every row."""
+def score(spec: RunSpec, batch: pd.DataFrame, iteration: int, policy: typing.Optional[PolicyRef] = None,
+          dataset: typing.Optional[DatasetRef] = None) -> pd.DataFrame:
+    """Adds `reward` and `reward_error` to every row; with `algorithm.filter_groups` the table keeps
+    only informative groups, refilled from further prompts (`policy`/`dataset`: the policy that
+    sampled `batch` and the prompt tables, for refills; derived from the run when not given)."""
     check_columns(batch, "rollout")
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
-        rewards, errors = score_table(spec, batch)
-        df = batch.copy()
-        df["reward"] = rewards
-        df["reward_error"] = errors
+        df = _scored(spec, batch)
+        rewards, errors = df["reward"].tolist(), df["reward_error"].tolist()
         metrics["reward/mean"] = float(np.mean(rewards))
         metrics["reward/errors"] = float(sum(e is not None for e in errors))
         metrics["reward/accuracy"] = float(np.mean([r >= 1.0 for r in rewards]))
@@ -76,4 +208,7 @@ def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
             metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
         solved = df.groupby("group_id")["reward"].agg(["min", "max"])
         metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
+        if config_of(spec).algorithm.filter_groups:  # reward/* above describe the rollout's own samples
+            df, m = dynamic_sampling(spec, df, iteration, policy, dataset)
+            metrics.update(m)
     return df

@@ -1,5 +1,6 @@
-"""Training: one actor update (advantages -> policy loss + KL) in the training actor; writes the new
-checkpoint (weights + tokenizer + optimizer state) and the stage metrics, not the table."""
+"""Training: one actor update (advantages -> policy loss + KL) in the training actor, and a critic
+update for PPO with GAE; writes the new checkpoint (weights + tokenizer + optimizer and objective
+state, the critic under critic/) and the stage metrics, not the table."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int)
     with stage(spec, "training", iteration, metrics):
         (worker,) = actor_pool(TrainWorker, "training", 1, spec.run_id, {"threads": cfg.run.torch_threads},
                                actor_options("training", is_local_execution()))
-        tcfg = cfg.training.model_dump()
-        ray.get(worker.load.remote(spec, policy.key, tcfg))
+        tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+        ray.get(worker.load.remote(spec, policy.key, tcfg, acfg))
+        train_actor = acfg["advantage"] != "gae" or iteration > acfg["critic_warmup_iterations"]
         step_metrics, files = ray.get(
-            worker.step.remote(batch, cfg.algorithm.model_dump(), tcfg, cfg.rollout.temperature or 1.0,
-                               cfg.run.seed * 7919 + iteration, policy_key(spec, iteration))
+            worker.step.remote(batch, acfg, tcfg, cfg.rollout.temperature or 1.0,
+                               cfg.run.seed * 7919 + iteration, policy_key(spec, iteration), train_actor)
         )
         metrics.update(step_metrics)
         out = tempfile.mkdtemp(prefix=f"flyroll-ckpt-{iteration:04d}-")

@@ -36,6 +36,9 @@ def code_reward(response: str, sample: dict) -> float:
     tests = sample.get("tests")
     if not tests:
         raise KeyError("code_reward: sample has no 'tests'; expected assert lines or a check() harness")
+    joined = tests if isinstance(tests, str) else "\n".join(map(str, tests))
+    if not re.search(r"\bassert\b|^\s*check\(|^def check\(", joined, re.M):  # a string literal would "pass"
+        raise ValueError(f"code_reward: tests contain no assert and no check() harness: {joined[:120]!r}")
     meta = sample.get("metadata") or {}
     entry = meta.get("entry_point") or sample.get("entry_point")
     if isinstance(tests, str) and entry and re.search(r"^def check\(", tests, re.M) \

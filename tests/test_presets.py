@@ -1,0 +1,70 @@
+"""The algorithm presets in configs/: each validates, shares the tiny bootstrapped base, is headed by the
+command that runs it, and (slow tier) runs end to end through `pyflyte run` and raises eval accuracy.
+
+The slow runs share one temp HOME / output folder / artifact store, so the base policy is bootstrapped
+once (by the first preset) and reused by the others through the store; each preset runs ITERATIONS
+iterations and its eval/accuracy is read back from MLflow.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from tests.test_workflow import PYFLYTE, REPO, _env
+
+PRESETS = ("grpo", "dr_grpo", "reinforce_pp", "rloo", "dapo", "gspo", "ppo")
+ITERATIONS = 10
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_validates_and_shares_the_tiny_base(name):
+    from configs.schema import load_config
+
+    path = REPO / "configs" / f"{name}.yaml"
+    cfg, tiny = load_config(path), load_config(REPO / "configs/tiny.yaml")
+    head = path.read_text().splitlines()[:3]
+    assert head[0].startswith("#") and any(
+        line.startswith("#") and f"pyflyte run workflows/rlvr.py rlvr --config configs/{name}.yaml" in line for line in head)
+    assert cfg.model == tiny.model and cfg.run.seed == tiny.run.seed and cfg.run.torch_threads == tiny.run.torch_threads
+    assert cfg.run.output_dir == tiny.run.output_dir and cfg.rollout == tiny.rollout and cfg.data == tiny.data
+    assert cfg.run.name == name
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("presets")
+
+
+def _accuracy(tmp, name: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("flyroll").experiment_id])
+    (run,) = [r for r in runs if r.data.params.get("run.name") == name]
+    return c, run, sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, "eval/accuracy"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_raises_eval_accuracy_end_to_end(shared_dir, name):
+    cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    cfg["run"]["output_dir"] = str(shared_dir / "runs")
+    cfg["loop"].update(iterations=ITERATIONS, eval_every=ITERATIONS // 2)
+    config = shared_dir / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)],
+                          cwd=shared_dir, env=_env(shared_dir), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    c, run, acc = _accuracy(shared_dir, name)
+    assert acc[0][0] == 0 and acc[-1][0] == ITERATIONS, acc
+    print(f"{name}: eval/accuracy {acc[0][1]:.3f} (iteration 0) -> {acc[-1][1]:.3f} (iteration {ITERATIONS})")
+    assert acc[-1][1] > acc[0][1], acc
+    history = lambda key: c.get_metric_history(run.info.run_id, key)  # noqa: E731
+    if name == "ppo":
+        assert len(history("critic/vf_loss")) == ITERATIONS
+    if name == "dapo":
+        assert len(history("dynamic_sampling/kept_groups")) == ITERATIONS
+        assert len(history("dynamic_sampling/generation_rounds")) == ITERATIONS
