@@ -77,6 +77,12 @@ class AlgorithmConfig(BaseModel):
     )
 
     # --- policy loss ------------------------------------------------------------------------
+    gigpo_step_weight: float = Field(
+        1.0, ge=0.0,
+        description="GiGPO ω: weight of the step-level advantage (steps grouped by identical anchor states across "
+                    "episodes of a group) added to the episode-level one. Agentic runs only (advantage: gigpo). "
+                    "Feng et al. 2025, Group-in-Group Policy Optimization.",
+    )
     policy_loss: str = Field(
         "ppo_clip",
         description="Policy loss by registered name: ppo_clip (PPO 1707.06347 with clip-higher and "

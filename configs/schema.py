@@ -43,6 +43,7 @@ class BootstrapConfig(_Section):
     batch_size: int = Field(64, ge=1, description="Pre-training batch size (sequences).")
     lr: float = Field(3e-3, gt=0, le=1.0, description="Peak pre-training learning rate (one-cycle schedule).")
     num_examples: int = Field(4000, ge=16, description="Distinct synthetic problems in the pre-training corpus (disjoint from the eval split).")
+    max_positions: int = Field(256, ge=32, le=32768, description="Context length of the bootstrapped model. Multi-turn environments need more (FrozenLake 4x4 ~300 tokens for 6 turns).")
     teacher_accuracy: float = Field(0.4, ge=0.0, le=1.0, description="Share of pre-training demonstrations that are correct; the rest show a systematic mistake. Below 0.5 the base policy prefers the mistake but can sample the right answer, which is where RLVR helps. 1.0 = a clean (under-trained) teacher.")
 
 
@@ -100,6 +101,15 @@ class TrainingConfig(_Section):
     num_workers: int = Field(1, ge=1, le=1, description="Training workers (1 on this engine; DDP/FSDP/DeepSpeed are other engines).")
 
 
+class EnvConfig(_Section):
+    name: str = Field(..., description="Environment for agentic RL (workflows/agentic.py): frozenlake, sokoban or tool_math (engines/envs/).")
+    kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
+    max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
+    max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
+    eval_episodes: int = Field(64, ge=1, description="Held-out episodes (fixed seeds, greedy) for eval/success_rate and the other eval/* metrics.")
+    bootstrap_episodes: int = Field(400, ge=1, description="Scripted-solver episodes the tiny policy is pre-trained on (model.bootstrap.steps controls how well it learns them).")
+
+
 class LoopConfig(_Section):
     iterations: int = Field(12, ge=0, le=100_000, description="RL iterations in this run.")
     eval_every: int = Field(4, ge=1, description="Evaluate on the eval split every K iterations (and at 0 and at the end).")
@@ -114,6 +124,7 @@ class FlyrollConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, KL, normalisation.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Actor optimisation.")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
+    env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
 
     @model_validator(mode="after")
     def _check(self) -> "FlyrollConfig":
@@ -122,6 +133,11 @@ class FlyrollConfig(_Section):
         bad = [d for d in self.data.domains if d not in DOMAINS]
         if bad:
             raise ValueError(f"data.domains: unknown domain(s) {bad}; expected a subset of {list(DOMAINS)}")
+        if self.env is not None:
+            from engines.envs import ENVIRONMENTS
+
+            if self.env.name not in ENVIRONMENTS:
+                raise ValueError(f"env.name: unknown environment {self.env.name!r}; expected one of {sorted(ENVIRONMENTS)}")
         for i, src in enumerate(self.data.sources):
             if src.kind == "file" and not src.uri:
                 raise ValueError(f"data.sources[{i}]: kind 'file' needs `uri` (a .jsonl or .parquet table)")

@@ -118,7 +118,18 @@ def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, st
         ctrl.update(current_kl, n_steps=len(df))
         metrics["actor/kl_ctrl_current_kl"] = current_kl
     values = token_column(df, "values", T) if "values" in df.columns else None
-    adv, returns, m = compute_advantages(cfg, rewards, mask, index, values, ema_baseline=state.ema_baseline)
+    extra = None
+    if cfg.advantage == "gigpo":  # step-level credit needs the per-turn structure of agentic rows
+        import json
+
+        from engines.algorithms.gigpo import gigpo_step_tensors
+
+        missing = {"turn_index", "turn_rewards", "state_keys"} - set(df.columns)
+        if missing:
+            raise ValueError(f"advantage 'gigpo' needs agentic rollout columns {sorted(missing)} (workflows/agentic.py)")
+        keys = [json.loads(k) if isinstance(k, str) else list(k) for k in df["state_keys"]]
+        extra = gigpo_step_tensors([_as_list(t) for t in df["turn_index"]], [_as_list(r) for r in df["turn_rewards"]], keys, width=T)
+    adv, returns, m = compute_advantages(cfg, rewards, mask, index, values, ema_baseline=state.ema_baseline, extra=extra)
     metrics.update(m)
     new_state = AlgorithmState(
         kl_coef=float(ctrl.value),

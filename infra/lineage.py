@@ -76,6 +76,7 @@ def lineage(target: str, store_uri: str, tracking_uri: str) -> dict:
         for v in versions:
             mv = by_source.get(store.uri(v["key"]))
             if mv is not None:
+                mv = c.get_model_version(tracking.REGISTERED_MODEL, mv.version)  # search results carry no aliases
                 v["mlflow"] = {"model_version": mv.version, "run_id": mv.run_id, "aliases": list(mv.aliases or []),
                                "flyte_execution_id": mv.tags.get("flyte.execution_id")}
     except Exception as e:  # noqa: BLE001 -- lineage from the store alone is still complete
@@ -90,9 +91,11 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--tracking-uri", default=_default_tracking(), help="MLflow URI (default $MLFLOW_TRACKING_URI or ./runs/mlflow.db)")
     p.add_argument("--json", action="store_true", help="print the whole record as JSON")
     args = p.parse_args(argv)
+    from mlflow.exceptions import MlflowException
+
     try:
         rec = lineage(args.target, args.store, args.tracking_uri)
-    except (StoreError, ValueError) as e:
+    except (StoreError, ValueError, MlflowException) as e:
         print(f"flyroll lineage: {e}", file=sys.stderr)
         return 2
     if args.json:

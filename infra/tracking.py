@@ -1,8 +1,13 @@
-"""MLflow tracking: one parent run per workflow run, metrics per iteration, policy model versions.
+"""MLflow tracking: one parent run per workflow run, a child run per iteration, policy model versions.
 
 Tracking URI: the config's `run.tracking_uri`, else `$MLFLOW_TRACKING_URI`, else a SQLite file in
 the run folder. Every call goes through `MlflowClient` with an explicit run id, so tasks running
 in different processes (or pods) log into the same run.
+
+Everything here is idempotent, because Flyte retries tasks and a killed run is resumed by rerunning
+it: a metric is logged at most once per (run, key, step) -- the first write wins, as MLflow has no
+way to delete or overwrite one point of a metric's history; the child run of an iteration and the
+model version of a checkpoint are looked up by tag before they are created. See docs/lineage.md.
 """
 
 from __future__ import annotations
@@ -46,23 +51,86 @@ def start_parent_run(tracking_uri: str, experiment: str, run_name: str, params: 
 
 
 def find_run(tracking_uri: str, experiment: str, tag: str, value: str) -> str | None:
-    """Id of the newest run of `experiment` tagged `tag=value`, or None."""
+    """Id of the newest top-level run of `experiment` tagged `tag=value` (child runs, which carry
+    their parent's flyroll.run_id, are skipped), or None."""
     c = client(tracking_uri)
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{value}'", order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0].info.run_id if runs else None
+    runs = c.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{value}'", order_by=["attributes.start_time DESC"], max_results=1000)
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return top[0].info.run_id if top else None
 
 
-def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> None:
+def logged_at_step(c, run_id: str, keys: list[str], step: int) -> set[str]:
+    """Which of `keys` already have a point at `step` in run `run_id`.
+
+    One `get_run` (its latest point per key carries the key's highest step); a key's full history is
+    read only when its highest step is above `step` (an earlier step logged out of order)."""
+    latest = {m.key: m.step for m in c.get_run(run_id).data.to_proto().metrics}
+    done = set()
+    for k in keys:
+        if k not in latest or latest[k] < step:
+            continue
+        if latest[k] == step or any(m.step == step for m in c.get_metric_history(run_id, k)):
+            done.add(k)
+    return done
+
+
+def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int) -> dict[str, float]:
+    """Log finite metrics at `step`, skipping any key already logged at that step (first write wins:
+    a retried task or a resumed iteration never duplicates a point). Returns what was written."""
     from mlflow.entities import Metric
 
     ts = int(time.time() * 1000)
-    items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if v == v and abs(float(v)) != float("inf")]
+    values = {k: float(v) for k, v in metrics.items() if v == v and abs(float(v)) != float("inf")}
     c = client(tracking_uri)
+    for k in logged_at_step(c, run_id, list(values), step):
+        del values[k]
+    items = [Metric(k, v, ts, step) for k, v in values.items()]
     for i in range(0, len(items), 500):
         c.log_batch(run_id, metrics=items[i : i + 500])
+    return values
+
+
+_CHILDREN: dict[tuple[str, str, int], str] = {}  # (tracking uri, parent run, iteration) -> child run id
+
+
+def iteration_run(tracking_uri: str, parent_run_id: str, iteration: int, tags: dict[str, str] | None = None) -> str:
+    """The child run `iteration-NNNN` of a parent run: found by its tags (mlflow.parentRunId +
+    flyroll.iteration) or created, so a resumed run or a retried task reuses it. `tags` are set
+    (overwritten) every call. Stages of one iteration run one after another, so two creators never
+    race; if they did, both children would be found and the oldest one used from then on."""
+    c = client(tracking_uri)
+    cache_key = (tracking_uri, parent_run_id, iteration)
+    run_id = _CHILDREN.get(cache_key)
+    if run_id is None:
+        parent = c.get_run(parent_run_id)
+        exp_id = parent.info.experiment_id
+        found = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and "
+                                                      f"tags.`flyroll.iteration` = '{iteration}'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+        else:
+            base = {"mlflow.parentRunId": parent_run_id, "flyroll.iteration": str(iteration)}
+            if "flyroll.run_id" in parent.data.tags:
+                base["flyroll.run_id"] = parent.data.tags["flyroll.run_id"]
+            run_id = c.create_run(exp_id, run_name=f"iteration-{iteration:04d}", tags=base).info.run_id
+        _CHILDREN[cache_key] = run_id
+    if tags:
+        set_tags(tracking_uri, run_id, tags)
+    return run_id
+
+
+def child_runs(tracking_uri: str, parent_run_id: str) -> dict[int, list]:
+    """iteration -> the child runs of `parent_run_id` tagged with it (one each when all is well)."""
+    c = client(tracking_uri)
+    exp_id = c.get_run(parent_run_id).info.experiment_id
+    out: dict[int, list] = {}
+    for r in c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}'", max_results=10_000):
+        out.setdefault(int(r.data.tags.get("flyroll.iteration", -1)), []).append(r)
+    return out
 
 
 def set_tags(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
@@ -75,11 +143,20 @@ def log_text(tracking_uri: str, run_id: str, text: str, artifact_file: str) -> N
     client(tracking_uri).log_text(run_id, text, artifact_file)
 
 
-def register_policy(tracking_uri: str, run_id: str, source_uri: str, tags: dict[str, str], aliases: tuple[str, ...] = ()) -> str:
-    """Register a published checkpoint as a version of the `flyroll-policy` model; returns the version number.
+def find_model_version(tracking_uri: str, key: str):
+    """The `flyroll-policy` version registered for artifact-store key `key` (tag flyroll.key), or None."""
+    found = client(tracking_uri).search_model_versions(f"name='{REGISTERED_MODEL}' and tags.`flyroll.key` = '{key}'")
+    return min(found, key=lambda mv: int(mv.version)) if found else None
 
-    MLflow reserves the alias `latest` (`models:/flyroll-policy/latest` already resolves to the newest
-    version), so callers pass other aliases (`champion`, ...)."""
+
+def register_policy(tracking_uri: str, run_id: str, source_uri: str, key: str, tags: dict[str, str]) -> str:
+    """Register checkpoint `key` (at `source_uri`) as a version of the `flyroll-policy` model, or find
+    the version already registered for it (a retried or resumed weight sync); sets `tags` either way.
+    Returns the version number.
+
+    Aliases: MLflow reserves `latest` (`models:/flyroll-policy/latest` resolves to the newest version
+    by itself and cannot be set); `champion` is set only by `set_alias` from the retraining workflow's
+    promotion step. Aliases cannot hold '/', so the run a version belongs to is a tag (flyroll.run_id)."""
     from mlflow.exceptions import MlflowException
 
     c = client(tracking_uri)
@@ -87,10 +164,39 @@ def register_policy(tracking_uri: str, run_id: str, source_uri: str, tags: dict[
         c.create_registered_model(REGISTERED_MODEL, description="Policies published by flyroll runs (weight_sync stage).")
     except MlflowException:
         pass  # already exists
-    mv = c.create_model_version(REGISTERED_MODEL, source=source_uri, run_id=run_id, tags=tags)
-    for alias in aliases:
-        c.set_registered_model_alias(REGISTERED_MODEL, alias, mv.version)
+    tags = {**tags, "flyroll.key": key}
+    mv = find_model_version(tracking_uri, key)
+    if mv is None:
+        mv = c.create_model_version(REGISTERED_MODEL, source=source_uri, run_id=run_id, tags=tags)
+    else:
+        set_model_version_tags(tracking_uri, str(mv.version), tags)
     return str(mv.version)
+
+
+def set_model_version_tags(tracking_uri: str, version: str, tags: dict[str, str]) -> None:
+    c = client(tracking_uri)
+    for k, v in tags.items():
+        c.set_model_version_tag(REGISTERED_MODEL, version, k, str(v))
+
+
+def model_version(tracking_uri: str, version: str):
+    return client(tracking_uri).get_model_version(REGISTERED_MODEL, version)
+
+
+def alias_version(tracking_uri: str, alias: str):
+    """The model version behind `alias` of `flyroll-policy`, or None (no model, or no such alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client(tracking_uri).get_model_version_by_alias(REGISTERED_MODEL, alias)
+    except MlflowException:
+        return None
+
+
+def set_alias(tracking_uri: str, alias: str, version: str) -> None:
+    if alias == "latest":
+        raise ValueError("the alias 'latest' is reserved by MLflow: models:/flyroll-policy/latest already is the newest version")
+    client(tracking_uri).set_registered_model_alias(REGISTERED_MODEL, alias, version)
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:

@@ -55,14 +55,39 @@ def execution_id() -> str:
         return "none"
 
 
+def rollout_table_key(spec: RunSpec, iteration: int) -> str:
+    """Where the reference stage publishes iteration `iteration`'s complete rollout table."""
+    return f"runs/{spec.run_id}/rollouts/i{iteration:04d}"
+
+
+def iteration_run(spec: RunSpec, iteration: int, tags: dict[str, str] | None = None) -> str:
+    """The MLflow child run `iteration-NNNN` of this run (found or created), tagged with the Flyte
+    execution id and the rollout table's key and URI (plus `tags`)."""
+    base = {"flyte.execution_id": execution_id(), "flyroll.rollout_table": rollout_table_key(spec, iteration),
+            "flyroll.rollout_table_uri": f"{spec.store_uri.rstrip('/')}/{rollout_table_key(spec, iteration)}"}
+    return tracking.iteration_run(spec.tracking_uri, spec.mlflow_run_id, iteration, {**base, **(tags or {})})
+
+
+def log_iteration_metrics(spec: RunSpec, iteration: int, metrics: dict[str, float]) -> None:
+    """Metrics of iteration `iteration` at step=iteration: into the parent run, and (iteration >= 1)
+    into that iteration's child run. Idempotent per (run, key, step), so retries and resumes never
+    duplicate a point (infra/tracking.py)."""
+    tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, metrics, step=iteration)
+    if iteration >= 1:
+        tracking.log_metrics(spec.tracking_uri, iteration_run(spec, iteration), metrics, step=iteration)
+
+
 @contextmanager
 def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
-    """Times a stage, logs `timing/<name>_s` + the stage's metrics to MLflow at step=iteration."""
+    """Times a stage, logs `timing/<name>_s` + the stage's metrics at step=iteration to the MLflow
+    parent run and the iteration's child run; `<name>/tokens` also gives `<name>/tokens_per_s`."""
     t0 = time.perf_counter()
     yield
     dt = time.perf_counter() - t0
     metrics[f"timing/{name}_s"] = dt
-    tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, metrics, step=iteration)
+    if f"{name}/tokens" in metrics and f"{name}/tokens_per_s" not in metrics:
+        metrics[f"{name}/tokens_per_s"] = metrics[f"{name}/tokens"] / max(dt, 1e-9)
+    log_iteration_metrics(spec, iteration, metrics)
     keys = [k for k in _SHOWN if k in metrics] + sorted(k for k in metrics if k.startswith("eval/accuracy/"))
     shown = "  ".join(f"{k}={metrics[k]:.3g}" for k in keys)
     console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<11} [green]{dt:6.2f}s[/]  {shown}")

@@ -34,7 +34,13 @@ def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
     c = tracking.client(spec.tracking_uri)
     run = c.get_run(spec.mlflow_run_id)
     keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
-    return {k: sorted((m.step, m.value) for m in c.get_metric_history(spec.mlflow_run_id, k)) for k in sorted(keys)}
+    out = {}
+    for k in sorted(keys):  # one point per step (the first), also for runs logged before logging was idempotent
+        first: dict[int, float] = {}
+        for m in sorted(c.get_metric_history(spec.mlflow_run_id, k), key=lambda m: (m.step, m.timestamp)):
+            first.setdefault(m.step, m.value)
+        out[k] = sorted(first.items())
+    return out
 
 
 @task(enable_deck=True, **task_resources("weight_sync"))
@@ -59,12 +65,14 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
     decks.publish_deck("flyroll report", html)
     path = decks.write_report(os.path.join(os.path.abspath(cfg.run.output_dir), spec.run_id, "report.html"), html)
     tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, html, "report.html")
-    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete"})
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete",
+                                                              "flyroll.final_model_version": policy.model_version})
     tracking.end_run(spec.tracking_uri, spec.mlflow_run_id)
     console.print(f"[bold green]done[/] final policy {policy.key} (MLflow model version {policy.model_version or '-'})")
     if acc:
         console.print(f"eval/accuracy {acc[0][1]:.3f} (iteration {acc[0][0]}) → {acc[-1][1]:.3f} (iteration {acc[-1][0]})")
-    console.print(f"report: {path}\nMLflow UI: mlflow ui --backend-store-uri {spec.tracking_uri}")
+    ui = spec.tracking_uri if spec.tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {spec.tracking_uri}"
+    console.print(f"report: {path}\nMLflow UI: {ui}")
     if is_local_execution():
         shutdown()
     return policy

@@ -19,6 +19,9 @@ from infra.store import ArtifactStore
 from tasks.common import config_of, console, execution_id, store_of
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
+# environment seeds: bootstrap demonstrations, the fixed eval set and training never overlap
+BOOTSTRAP_SEED0, EVAL_SEED0, TRAIN_SEED0 = 20_000_000, 10_000_000, 0
+
 PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", str)])
 
 
@@ -45,7 +48,8 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
         console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
     spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
     model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
-                             "threads": cfg.run.torch_threads}, sort_keys=True)
+                             "threads": cfg.run.torch_threads,
+                             **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
     return PrepareOut(spec, model_spec)
 
 
@@ -196,10 +200,20 @@ def build_base_policy(model_spec: str) -> PolicyRef:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     b = m["bootstrap"]
-    model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], seed=spec["seed"])
-    rng = random.Random(spec["seed"])
-    problems = make_problems("bootstrap", b["num_examples"], seed=spec["seed"])
-    pairs = [(p.prompt, teacher_demonstration(p, rng, b["teacher_accuracy"])) for p in problems]
+    model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"], seed=spec["seed"])
+    if spec.get("env"):  # agentic: pre-train on scripted-solver episodes of the environment
+        from engines.env_manager import solved_episodes
+
+        env = spec["env"]
+        pairs = solved_episodes(env["name"], [BOOTSTRAP_SEED0 + i for i in range(env["bootstrap_episodes"])],
+                                max_turns=env["max_turns"], env_kwargs=env["kwargs"])
+        if not pairs:
+            raise ValueError(f"env {env['name']!r}: the scripted solver finished none of {env['bootstrap_episodes']} bootstrap "
+                             f"episodes within env.max_turns={env['max_turns']}; raise env.max_turns")
+    else:
+        rng = random.Random(spec["seed"])
+        problems = make_problems("bootstrap", b["num_examples"], seed=spec["seed"])
+        pairs = [(p.prompt, teacher_demonstration(p, rng, b["teacher_accuracy"])) for p in problems]
     with Progress(TextColumn("bootstrap pre-training"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
                   TimeRemainingColumn(), console=console) as progress:
         bar = progress.add_task("sft", total=b["steps"], loss=float("nan"))

@@ -1,9 +1,11 @@
 """Weight sync: publish the new policy version and make the generators serve it.
 
-Publish = upload the checkpoint to the artifact store (data first, MANIFEST.json with sha256 per
-file and the parent version last) and register it as an MLflow model version with lineage tags.
-The next rollout loads exactly that version; on a local run the live generation actors are told to
-update their weights in place right away (no engine restart).
+Publish = register the checkpoint as an MLflow model version with lineage tags, then upload it to
+the artifact store (data first, MANIFEST.json with sha256 per file, the parent version and the model
+version last). Registering first, idempotently (found by its store key when it exists), means a
+sync killed between the two steps is completed by the resumed iteration, and a published version
+always has its model version. The next rollout loads exactly that version; on a local run the live
+generation actors are told to update their weights in place right away (no engine restart).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from flytekit.types.directory import FlyteDirectory
 from infra import tracking
 from infra.ray_session import is_local_execution
 from infra.resources import task_resources
-from tasks.common import execution_id, stage, store_of
+from tasks.common import execution_id, iteration_run, rollout_table_key, stage, store_of
 from tasks.training import policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
@@ -26,16 +28,24 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
     with stage(spec, "weight_sync", iteration, metrics):
         local = checkpoint.download()
         key = policy_key(spec, iteration)
+        store = store_of(spec)
+        rollouts = rollout_table_key(spec, iteration)
+        child = iteration_run(spec, iteration, {"flyroll.policy_in": parent.key, "flyroll.policy_out": key,
+                                                "flyroll.policy_in_model_version": parent.model_version})
         lineage = {
             "flyroll.run_id": spec.run_id, "flyroll.iteration": str(iteration), "flyroll.config_hash": spec.config_hash,
-            "flyroll.parent": parent.key, "flyroll.dataset": dataset.train_key, "flyte.execution_id": execution_id(),
+            "flyroll.parent": parent.key, "flyroll.parent_model_version": parent.model_version,
+            "flyroll.dataset": dataset.train_key, "flyroll.eval_dataset": dataset.eval_key, "flyroll.rollout_table": rollouts,
+            "flyte.execution_id": execution_id(), "flyroll.child_run_id": child,
         }
-        store = store_of(spec)
+        version = tracking.register_policy(spec.tracking_uri, spec.mlflow_run_id, store.uri(key), key, lineage)
         manifest = store.publish(local, key, kind="checkpoint", producer="publish_weights", parents=[parent.key],
-                                 execution_id=execution_id(), metadata={"iteration": iteration, "config_hash": spec.config_hash,
-                                                                        "dataset": dataset.train_key})
-        version = tracking.register_policy(spec.tracking_uri, spec.mlflow_run_id, store.uri(key),
-                                           {**lineage, "flyroll.parent_model_version": parent.model_version})
+                                 execution_id=execution_id(),
+                                 metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
+                                           "rollout_table": rollouts, "model_version": version,
+                                           "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child})
+        tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": version})
+        tracking.end_run(spec.tracking_uri, child)  # the iteration is committed; its evaluation may still log into it
         metrics["weight_sync/bytes"] = float(sum(f.size for f in manifest.files.values()))
         if is_local_execution() and ray.is_initialized():  # live path: generators take the new weights in place
             try:

@@ -55,6 +55,13 @@ class GenerationWorker:
     def generate(self, prompt_token_ids: list[list[int]], params):
         return self.engine.generate(prompt_token_ids, params)
 
+    def episodes(self, env_name: str, seeds: list[int], group_size: int, max_turns: int, max_context_tokens: int, params, env_kwargs: dict):
+        """Multi-turn episodes with this engine (engines/env_manager.py), one batched generate per turn."""
+        from engines.env_manager import run_episodes
+
+        return run_episodes(self.engine, self.tokenizer, env_name, seeds, group_size=group_size, max_turns=max_turns,
+                            max_context_tokens=max_context_tokens, sampling=params, env_kwargs=env_kwargs)
+
     def evaluate(self, table, max_new_tokens: int, chat: bool):
         from engines.evaluation import evaluate
 

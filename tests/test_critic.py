@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.test_workflow import _config, _mlflow, _pyflyte_run
+from tests.test_workflow import _config, _pyflyte_run
 
 
 def _batch(tok, n: int = 8):
@@ -161,6 +161,16 @@ def test_gae_update_inputs_use_the_values_column(tiny_policy):
         prepare_update(df.drop(columns=["values"]), batch, AlgorithmConfig(advantage="gae"), None)
 
 
+def _parent_run(tmp):
+    """The run's parent MLflow run (stages may also log into nested per-iteration runs)."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("flyroll").experiment_id])
+    (run,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return c, run
+
+
 def test_critic_path_end_to_end_through_pyflyte(tmp_path):
     """PPO with GAE on the e2e config: the critic is published with each policy version, its
     values reach the training table and `critic/vf_loss` is logged. The same run turns on dynamic
@@ -176,7 +186,7 @@ def test_critic_path_end_to_end_through_pyflyte(tmp_path):
     assert [k.rsplit("/", 1)[-1] for k in policies] == ["v0001", "v0002"]
     for key in policies:
         assert {"critic/model.safetensors", "critic/config.json", "model.safetensors"} <= set(store.manifest(key).files)
-    c, run = _mlflow(tmp_path)
+    c, run = _parent_run(tmp_path)
     for metric in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/grad_norm", "reference/values_mean"):
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, metric)) == [1, 2], metric
     rounds = c.get_metric_history(run.info.run_id, "dynamic_sampling/generation_rounds")

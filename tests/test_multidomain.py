@@ -24,7 +24,7 @@ def _run(tmp_path, cfg: dict, timeout: int):
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    (run,) = c.search_runs([c.get_experiment_by_name("flyroll").experiment_id])
+    (run,) = [r for r in c.search_runs([c.get_experiment_by_name("flyroll").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
     return proc, c, run
 
 

@@ -43,7 +43,7 @@ def _accuracy(tmp, name: str) -> list[tuple[int, float]]:
 
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     runs = c.search_runs([c.get_experiment_by_name("flyroll").experiment_id])
-    (run,) = [r for r in runs if r.data.params.get("run.name") == name]
+    (run,) = [r for r in runs if r.data.params.get("run.name") == name and "mlflow.parentRunId" not in r.data.tags]
     return c, run, sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, "eval/accuracy"))
 
 

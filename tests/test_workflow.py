@@ -59,7 +59,7 @@ def _mlflow(tmp: Path):
 
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     exp = c.get_experiment_by_name("flyroll")
-    (run,) = c.search_runs([exp.experiment_id])
+    (run,) = [r for r in c.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
     return c, run
 
 

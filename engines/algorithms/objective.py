@@ -51,16 +51,20 @@ def compute_advantages(
     values: Tensor | None = None,
     *,
     ema_baseline: float | None = None,
+    extra: dict | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Advantages and returns with ``cfg.advantage``, then optional whitening and clipping.
 
     token_level_rewards [B,T], response_mask [B,T], index [B] (group id), values [B,T] (critic,
     gae only) → (advantages [B,T], returns [B,T], metrics). ``ema_baseline`` is the reinforce
-    EMA state; the new value comes back in ``metrics["advantage/ema_baseline"]``.
+    EMA state; the new value comes back in ``metrics["advantage/ema_baseline"]``. ``extra``: further
+    per-batch tensors an estimator declares (gigpo: turn_index [B,T], step_rewards [B,K],
+    step_state_ids [B,K] from ``gigpo_step_tensors``).
     """
     fn = get_advantage(cfg.advantage)
     opts = _declared(fn, norm_by_std=cfg.norm_adv_by_std, baseline=cfg.reinforce_baseline,
-                     ema_baseline=ema_baseline, ema_decay=cfg.reinforce_ema_decay)
+                     ema_baseline=ema_baseline, ema_decay=cfg.reinforce_ema_decay,
+                     step_weight=cfg.gigpo_step_weight, **(extra or {}))
     (advantages, returns), metrics = fn(token_level_rewards, response_mask, index, values=values,
                                         gamma=cfg.gamma, lam=cfg.lam, **opts)
     mask = response_mask.float()

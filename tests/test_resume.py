@@ -1,0 +1,140 @@
+"""Resume after SIGKILL: kill a real `pyflyte run` in the middle of iteration 3, rerun the same command.
+
+The run is the e2e config with 4 iterations (local store, SQLite MLflow) and a reward that pauses
+once, in the first scoring after v0002 is published -- iteration 3, after its rollout stage logged
+its metrics (a partial step 3). The test waits for that pause, then SIGKILLs the whole process group
+(pyflyte, its Ray instance and actors). The rerun resumes from v0002; after
+it the store holds exactly v0001..v0004 and MLflow one parent run whose metric steps are 1..4 with no
+duplicates -- metrics are logged at most once per (run, key, step), so the partial step 3 of the
+killed attempt is not logged twice -- and exactly one child run per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_workflow import PYFLYTE, REPO, _config, _env
+
+pytestmark = pytest.mark.slow
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None:
+    """SIGKILL the run's process group, then any descendant seen while it ran that left the group
+    (Ray starts some of its daemons in their own sessions)."""
+    known.update({p.pid: p for p in _descendants(proc.pid)})
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    for p in known.values():
+        try:
+            p.kill()  # psutil checks the create time, so a recycled pid is never hit
+        except psutil.NoSuchProcess:
+            pass
+
+
+def pausing_starts_with_digit(response: str, sample: dict) -> float:
+    """The e2e reward; the first call after $FLYROLL_TEST_PAUSE_AFTER exists creates
+    $FLYROLL_TEST_PAUSED and sleeps (the test kills the run meanwhile)."""
+    after, marker = os.environ.get("FLYROLL_TEST_PAUSE_AFTER"), os.environ.get("FLYROLL_TEST_PAUSED")
+    if after and marker and os.path.exists(after):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            time.sleep(45)
+        except FileExistsError:
+            pass
+    return float(response[:1].isdigit())
+
+
+def _parent_run(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=tracking_uri)
+    exp = c.get_experiment_by_name("flyroll")
+    runs = [r for r in c.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags] if exp else []
+    return c, runs
+
+
+def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp_path: Path):
+    from infra import tracking
+    from infra.store import ArtifactStore
+
+    from configs.schema import load_config
+
+    reward = "tests.test_resume:pausing_starts_with_digit"
+    config = _config(tmp_path, loop={"iterations": 4, "eval_every": 2},
+                     reward={"functions": {"arithmetic": reward, "reverse": reward}, "timeout_s": 120})
+    cfg = load_config(config)
+    run_id = f"{cfg.run.name}-{cfg.hash()}"
+    cmd = [PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)]
+    store = ArtifactStore(str(tmp_path / "runs" / "store"))
+    tracking_uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    paused = tmp_path / "paused"
+    env = {**_env(tmp_path), "FLYROLL_TEST_PAUSED": str(paused),
+           "FLYROLL_TEST_PAUSE_AFTER": f"{store.root}/runs/{run_id}/policy/v0002/MANIFEST.json"}
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    known: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline and proc.poll() is None and not paused.exists():
+            known.update({p.pid: p for p in _descendants(proc.pid)})
+            time.sleep(0.2)
+        assert paused.exists(), "iteration 3 never reached scoring:\n" + (tmp_path / "first.log").read_text()[-3000:]
+        c, (run,) = _parent_run(tracking_uri)
+        assert [m.step for m in c.get_metric_history(run.info.run_id, "rollout/response_length")] == [1, 2, 3]  # partial step 3
+        assert "reward/mean" not in c.get_run(run.info.run_id).data.metrics or \
+            [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
+    finally:
+        _kill_tree(proc, known)
+        log.close()
+    killed_at = [k.rsplit("/", 1)[-1] for k in store.list("runs") if "/policy/" in k]
+    assert killed_at == ["v0001", "v0002"], killed_at  # killed inside iteration 3
+
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    out = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, out[-6000:]
+    assert "resuming run" in out
+    assert f"resume from runs/{run_id}/policy/{killed_at[-1]}" in out  # from the last published version
+
+    policies = [k for k in store.list("runs") if "/policy/" in k]
+    assert [k.rsplit("/", 1)[-1] for k in policies] == ["v0001", "v0002", "v0003", "v0004"]
+    for older, newer in zip(policies, policies[1:]):
+        assert store.manifest(newer).parents == [older]
+    rollouts = [k for k in store.list("runs") if "/rollouts/" in k]
+    assert [k.rsplit("/", 1)[-1] for k in rollouts] == ["i0001", "i0002", "i0003", "i0004"]
+
+    c, runs = _parent_run(tracking_uri)
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    parent = runs[0].info.run_id
+    for key in ("reward/mean", "rollout/response_length", "timing/rollout_s", "actor/pg_loss", "weight_sync/bytes"):
+        assert sorted(m.step for m in c.get_metric_history(parent, key)) == [1, 2, 3, 4], key
+    assert sorted(m.step for m in c.get_metric_history(parent, "eval/accuracy")) == [0, 2, 4]
+
+    children = tracking.child_runs(tracking_uri, parent)
+    assert sorted(children) == [1, 2, 3, 4] and all(len(v) == 1 for v in children.values()), \
+        {k: [r.info.run_id for r in v] for k, v in children.items()}
+    for it, (child,) in children.items():
+        assert child.info.run_name == f"iteration-{it:04d}"
+        assert [m.step for m in c.get_metric_history(child.info.run_id, "rollout/response_length")] == [it]
+        assert child.data.tags["flyroll.policy_out"].endswith(f"/policy/v{it:04d}")
+        assert child.info.status == "FINISHED"
+
+    versions = c.search_model_versions("name='flyroll-policy'")
+    assert sorted(int(v.tags["flyroll.iteration"]) for v in versions) == [1, 2, 3, 4]  # registered once each
+    by_iter = {int(v.tags["flyroll.iteration"]): v for v in versions}
+    for it in (2, 3, 4):
+        assert by_iter[it].tags["flyroll.parent_model_version"] == str(by_iter[it - 1].version)
+        assert store.manifest(policies[it - 1]).metadata["model_version"] == str(by_iter[it].version)

@@ -1,0 +1,139 @@
+"""Scheduled retraining: the launch plan and its cron schedule in `pyflyte package`, and the `retrain`
+workflow run locally through `pyflyte run`, promoting the champion when the new policy is better and
+keeping it when not.
+
+The slow tests share one rlvr e2e run (local store, SQLite MLflow) whose last policy becomes the
+champion; its recorded score (tag flyroll.eval_accuracy on the model version) is set below anything
+reachable to force "better", and above anything reachable to force "not better".
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tarfile
+import time
+
+import pytest
+
+from tests.test_workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
+
+
+def test_pyflyte_package_includes_the_retrain_launch_plan_with_its_cron_schedule(tmp_path):
+    from flyteidl.admin import launch_plan_pb2
+
+    out = tmp_path / "flyte-package.tgz"
+    proc = subprocess.run([PYFLYTE, "--pkgs", "workflows", "package", "--image", "flyroll:test", "-f", "--output", str(out)],
+                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        assert any("workflows.schedules.retrain_2.pb" in n for n in names), names  # the workflow itself
+        (lp_name,) = [n for n in names if n.endswith("_flyroll_nightly_retrain_3.pb")]
+        lp = launch_plan_pb2.LaunchPlan()
+        lp.ParseFromString(tar.extractfile(lp_name).read())
+    assert lp.id.name == "flyroll_nightly_retrain"
+    assert lp.spec.workflow_id.name == "workflows.schedules.retrain"
+    assert lp.spec.entity_metadata.schedule.cron_schedule.schedule == "0 3 * * *"
+    defaults = {k: v.default.scalar.primitive for k, v in lp.spec.default_inputs.parameters.items()}
+    assert defaults["config"].string_value == "configs/tiny_s3.yaml" and defaults["iterations"].integer == 4
+
+
+def _retrain(tmp, config, iterations: int) -> subprocess.CompletedProcess:
+    return subprocess.run([PYFLYTE, "run", str(REPO / "workflows/schedules.py"), "retrain", "--config", str(config),
+                           "--iterations", str(iterations)], cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+
+
+def _client(tmp):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+
+
+def _retrain_run(c, after_ms: int):
+    exp = c.get_experiment_by_name("flyroll")
+    runs = [r for r in c.search_runs([exp.experiment_id], filter_string="tags.`flyroll.workflow` = 'retrain'")
+            if r.info.start_time >= after_ms]
+    (run,) = runs
+    return run
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("retrain")
+    config = _config(tmp)
+    proc = _pyflyte_run(tmp, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return tmp, config
+
+
+@pytest.mark.slow
+def test_retrain_promotes_a_better_policy_to_champion(first_run):
+    from infra.lineage import lineage
+    from infra.store import ArtifactStore
+
+    tmp, config = first_run
+    c = _client(tmp)
+    (champion,) = [v for v in c.search_model_versions("name='flyroll-policy'") if v.tags["flyroll.iteration"] == "2"]
+    c.set_registered_model_alias("flyroll-policy", "champion", champion.version)
+    c.set_model_version_tag("flyroll-policy", str(champion.version), "flyroll.eval_accuracy", "-1")  # anything beats it
+    c.set_model_version_tag("flyroll-policy", str(champion.version), "flyroll.eval_dataset", champion.tags["flyroll.eval_dataset"])
+    t0 = int(time.time() * 1000)
+
+    proc = _retrain(tmp, config, 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"from champion: model version {champion.version}" in out and "promoted model version" in out
+
+    run = _retrain_run(c, t0)
+    new = c.get_model_version_by_alias("flyroll-policy", "champion")
+    assert str(new.version) != str(champion.version) and new.tags["flyroll.run_id"] == run.data.tags["flyroll.run_id"]
+    assert new.tags["flyroll.iteration"] == "2" and new.tags["flyroll.promoted"] == "true"
+    assert new.tags["flyroll.champion_model_version"] == str(champion.version)
+    assert float(new.tags["flyroll.champion_eval_accuracy"]) == -1 and new.tags["flyroll.champion_score_source"] == "recorded"
+    final = sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, "eval/accuracy"))
+    assert [s for s, _ in final] == [0, 1, 2]
+    assert float(new.tags["flyroll.eval_accuracy"]) == pytest.approx(final[-1][1], abs=1e-5)
+    t = run.data.tags
+    assert t["flyroll.retrain.decision"] == "promoted" and t["flyroll.retrain.champion_before"] == str(champion.version)
+    assert t["flyroll.retrain.champion_after"] == str(new.version) and float(t["flyroll.retrain.champion_accuracy"]) == -1
+    assert float(t["flyroll.retrain.candidate_accuracy"]) == pytest.approx(final[-1][1], abs=1e-5)
+    assert float(t["flyroll.retrain.champion_accuracy_measured"]) == pytest.approx(final[0][1], abs=1e-5)
+
+    # the new policy continues the champion: its first version's parent is the champion's checkpoint
+    store = ArtifactStore(str(tmp / "runs" / "store"))
+    first = store.manifest(f"runs/{run.data.tags['flyroll.run_id']}/policy/v0001")
+    assert first.parents == [champion.tags["flyroll.key"]]
+    rec = lineage(str(new.version), str(tmp / "runs" / "store"), f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+    assert len(rec["chain"]) == 5 and rec["chain"][2]["key"] == champion.tags["flyroll.key"]
+    assert rec["base_model"].startswith("models/tiny-")
+    assert str(rec["chain"][0]["mlflow"]["model_version"]) == str(new.version)
+
+
+@pytest.mark.slow
+def test_retrain_keeps_the_champion_when_not_better(first_run):
+    tmp, config = first_run
+    c = _client(tmp)
+    from infra import tracking
+
+    champion = tracking.alias_version(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}", "champion")  # from the test above
+    if champion is None:  # this test alone: the first run's last policy
+        champion = [v for v in c.search_model_versions("name='flyroll-policy'") if v.tags["flyroll.iteration"] == "2"][0]
+        c.set_registered_model_alias("flyroll-policy", "champion", champion.version)
+    c.set_model_version_tag("flyroll-policy", str(champion.version), "flyroll.eval_accuracy", "2.0")  # nothing beats it
+    c.set_model_version_tag("flyroll-policy", str(champion.version), "flyroll.eval_dataset", champion.tags["flyroll.eval_dataset"])
+    t0 = int(time.time() * 1000)
+
+    proc = _retrain(tmp, config, 1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert f"kept champion {champion.version}" in out
+
+    assert str(c.get_model_version_by_alias("flyroll-policy", "champion").version) == str(champion.version)
+    run = _retrain_run(c, t0)
+    (cand,) = [v for v in c.search_model_versions("name='flyroll-policy'") if v.tags["flyroll.run_id"] == run.data.tags["flyroll.run_id"]]
+    assert cand.tags["flyroll.promoted"] == "false" and float(cand.tags["flyroll.champion_eval_accuracy"]) == 2.0
+    assert "champion" not in (cand.aliases or [])
+    t = run.data.tags
+    assert t["flyroll.retrain.decision"] == "kept" and t["flyroll.retrain.champion_after"] == str(champion.version)
+    assert json.loads(t["flyroll.retrain.candidate_accuracy"]) <= 1.0

@@ -1,0 +1,131 @@
+"""Scheduled retraining: continue RL from the current champion, and promote the result only if it is better.
+
+    pyflyte run workflows/schedules.py retrain --config configs/tiny.yaml --iterations 4     # locally, once
+    pyflyte --pkgs workflows package --image IMAGE      # includes the nightly launch plan and its cron schedule
+
+`retrain` starts from the `champion` alias of the registered model `flyroll-policy` (or, when no
+version holds it yet, from the config's model, bootstrapped if need be), takes the dataset snapshot
+of the config's data section, runs N RL iterations with the same building blocks as
+`workflows/rlvr.py` (KL reference = the champion), evaluates greedily on the fixed eval split, and
+moves `champion` to the new policy only if its eval accuracy beats the champion's score. The
+champion's score is the one recorded on its model version when it was promoted (tag
+`flyroll.eval_accuracy`, on the same eval split); when there is none -- a champion set by hand, the
+base model, a different eval split -- it is the champion's accuracy measured by this run at
+iteration 0. Both scores and the decision are tags on the new model version and on the run.
+
+Every retrain is a new run (`<run.name>-<config hash>-<timestamp>`): its policy versions live under
+`runs/<that id>/policy/`, and their manifests' parents lead back through the champion's own run to
+the base model (`flyroll lineage`). A killed retrain is not resumed; the next one starts over from
+the champion, which a failed retrain never moves.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+
+from flytekit import CronSchedule, LaunchPlan, task, workflow
+
+from infra import tracking
+from infra.resources import task_resources
+from tasks.common import console, store_of
+from tasks.evaluation import finalize
+from tasks.prepare import build_base_policy, loop_bounds, make_dataset, prepare_run
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+from workflows.rlvr import rl_loop
+
+warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
+
+CHAMPION = "champion"
+
+Decision = typing.NamedTuple("Decision", [("trained", PolicyRef), ("champion", PolicyRef), ("promoted", bool)])
+RetrainOut = typing.NamedTuple("RetrainOut", [("policy", PolicyRef), ("champion", PolicyRef), ("promoted", bool)])
+
+
+@task(**task_resources("weight_sync"))
+def current_champion(spec: RunSpec, model_spec: str) -> PolicyRef:
+    """The policy `champion` points at (as version 0 of this run), or the config's base model when no
+    version holds the alias. The champion must live in this run's artifact store."""
+    store = store_of(spec)
+    mv = tracking.alias_version(spec.tracking_uri, CHAMPION)
+    if mv is None:
+        start = build_base_policy(model_spec)
+        console.print(f"[bold]retrain[/] no {CHAMPION} yet: starting from the config's model {start.key}")
+    else:
+        key = mv.tags.get("flyroll.key") or ""
+        if not key or mv.source != store.uri(key):
+            raise ValueError(f"{CHAMPION} = {tracking.REGISTERED_MODEL} version {mv.version} at {mv.source} is not in this "
+                             f"run's artifact store {store.root}; set run.store_uri to the store it was published to")
+        store.manifest(key)  # ArtifactNotFound names the URI when the checkpoint is gone
+        start = PolicyRef(key=key, version=0, model_version=str(mv.version))
+        console.print(f"[bold]retrain[/] from {CHAMPION}: model version {mv.version} ({key})")
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {
+        "flyroll.workflow": "retrain", "flyroll.retrain.start": start.key,
+        "flyroll.retrain.champion_before": start.model_version})
+    return start
+
+
+def _measured_at_start(spec: RunSpec) -> float | None:
+    """eval/accuracy this run measured for its start policy (step 0), or None."""
+    hist = tracking.client(spec.tracking_uri).get_metric_history(spec.mlflow_run_id, "eval/accuracy")
+    at0 = sorted((m.timestamp, m.value) for m in hist if m.step == 0)
+    return at0[0][1] if at0 else None
+
+
+@task(**task_resources("weight_sync"))
+def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: PolicyRef, dataset: DatasetRef) -> Decision:
+    """Move `champion` to `trained` iff its eval accuracy beats the champion's score; record both scores."""
+    measured = _measured_at_start(spec)
+    recorded = None
+    if champion.model_version:
+        tags = tracking.model_version(spec.tracking_uri, champion.model_version).tags
+        if tags.get("flyroll.eval_accuracy") and tags.get("flyroll.eval_dataset") == dataset.eval_key:
+            recorded = float(tags["flyroll.eval_accuracy"])
+    score, source = (recorded, "recorded") if recorded is not None else (measured, "measured at iteration 0")
+    if score is None:
+        raise ValueError(f"no score for the champion {champion.key}: neither a recorded flyroll.eval_accuracy on the "
+                         f"{dataset.eval_key} split nor an eval/accuracy at step 0 of MLflow run {spec.mlflow_run_id}")
+    new = trained.key != champion.key and bool(trained.model_version)
+    promoted = new and accuracy > score
+    scores = {"flyroll.eval_accuracy": f"{accuracy:.6g}", "flyroll.eval_dataset": dataset.eval_key,
+              "flyroll.champion_eval_accuracy": f"{score:.6g}", "flyroll.champion_score_source": source,
+              "flyroll.champion_model_version": champion.model_version, "flyroll.promoted": str(promoted).lower()}
+    if new:
+        tracking.set_model_version_tags(spec.tracking_uri, trained.model_version, scores)
+    if promoted:
+        tracking.set_alias(spec.tracking_uri, CHAMPION, trained.model_version)
+    after = trained if promoted else champion
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {
+        "flyroll.retrain.candidate_accuracy": f"{accuracy:.6g}", "flyroll.retrain.champion_accuracy": f"{score:.6g}",
+        "flyroll.retrain.champion_score_source": source,
+        "flyroll.retrain.champion_accuracy_measured": "" if measured is None else f"{measured:.6g}",
+        "flyroll.retrain.candidate": trained.key, "flyroll.retrain.candidate_model_version": trained.model_version,
+        "flyroll.retrain.decision": "promoted" if promoted else "kept",
+        "flyroll.retrain.champion_after": after.model_version})
+    verdict = (f"[bold green]promoted[/] model version {trained.model_version} to {CHAMPION}" if promoted
+               else f"[bold yellow]kept[/] {CHAMPION} {champion.model_version or '(none: base model)'}")
+    console.print(f"retrain: eval/accuracy {accuracy:.3f} vs champion {score:.3f} ({source}) → {verdict}")
+    return Decision(trained=trained, champion=after, promoted=promoted)
+
+
+@workflow
+def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
+    """Retrain from the champion. config: YAML preset (default configs/tiny.yaml); iterations: RL
+    iterations to run (0 = only re-evaluate the champion)."""
+    spec, model_spec = prepare_run(config=config, restart=True)          # always a new run
+    dataset = make_dataset(spec=spec)                                     # the config's dataset snapshot
+    start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
+    _, eval_every = loop_bounds(spec=spec)
+    out = rl_loop(spec=spec, start=start, reference=start, dataset=dataset, last=iterations, eval_every=eval_every)
+    decision = promote(spec=spec, trained=out.policy, accuracy=out.accuracy, champion=start, dataset=dataset)
+    final = finalize(spec=spec, policy=decision.trained, final_accuracy=out.accuracy, samples=out.samples)
+    return RetrainOut(policy=final, champion=decision.champion, promoted=decision.promoted)
+
+
+# Nightly at 03:00 UTC against the shared stack (configs/tiny_s3.yaml: S3 store, MLflow server from env).
+nightly_retrain = LaunchPlan.get_or_create(
+    workflow=retrain,
+    name="flyroll_nightly_retrain",
+    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4},
+    schedule=CronSchedule(schedule="0 3 * * *"),
+)
