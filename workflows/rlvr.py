@@ -41,7 +41,7 @@ LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", floa
 @workflow
 def rl_iteration(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, iteration: int) -> IterationOut:
     batch = rollout(spec=spec, policy=policy, dataset=dataset, iteration=iteration)            # B x G samples
-    scored = score(spec=spec, batch=batch, iteration=iteration)                                # + reward
+    scored = score(spec=spec, batch=batch, iteration=iteration, policy=policy, dataset=dataset)  # + reward (refills: DAPO)
     full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration)  # + ref/old log-probs
     checkpoint = train(spec=spec, batch=full, policy=policy, iteration=iteration)              # actor update
     new_policy = publish_weights(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset, iteration=iteration)
