@@ -11,10 +11,9 @@ from engines.rewards import get_reward
 def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = False) -> list[list[int]]:
     """Prompt texts -> token ids, optionally through the tokenizer's chat template."""
     if apply_chat_template:
-        return [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            for p in prompts
-        ]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]  # render, then tokenize: the template already holds the special tokens
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 

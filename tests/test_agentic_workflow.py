@@ -54,16 +54,6 @@ def test_agentic_workflow_end_to_end(tmp_path):
         assert all((m == 1) == (t >= 0) for m, t in zip(mask, turns))  # mask = exactly the policy's tokens
 
 
-@pytest.mark.slow
-def test_frozenlake_preset_improves_held_out_success(tmp_path):
-    c, run, cfg = _run(tmp_path, "configs/frozenlake.yaml")
-    success = _history(c, run, "eval/success_rate")
-    effective = _history(c, run, "eval/effective_action_rate")
-    assert success[0][0] == 0 and success[-1][0] == cfg["loop"]["iterations"]
-    assert success[-1][1] > success[0][1], success
-    assert effective[-1][1] >= effective[0][1], effective
-
-
 def test_gigpo_runs_on_agentic_rows(tiny_policy):
     """The training path computes GiGPO advantages from the rollout table's per-turn columns; the
     advantage is zero on environment tokens."""

@@ -91,8 +91,9 @@ class JudgeReward:
 
     def _token_ids(self, text: str) -> list[int]:
         if self.use_chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            from engines.evaluation import encode_prompts
+
+            (ids,) = encode_prompts(self.tokenizer, [text], apply_chat_template=True)
         else:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids[-self.max_prompt_tokens:] if self.max_prompt_tokens else ids
