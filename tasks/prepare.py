@@ -40,7 +40,10 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
     if mlflow_run is None:
-        mlflow_run = tracking.start_parent_run(tracking_uri, cfg.run.experiment, run_id, cfg.flat(), tags)
+        # a local SQLite store keeps its artifacts in the run folder too (MLflow's default is ./mlruns)
+        artifacts = os.path.join(out_dir, "mlartifacts") if tracking_uri.startswith("sqlite:") else None
+        mlflow_run = tracking.start_parent_run(tracking_uri, cfg.run.experiment, run_id, cfg.flat(), tags,
+                                               artifact_location=None if artifacts is None else f"file://{artifacts}")
         tracking.log_text(tracking_uri, mlflow_run, cfg.model_dump_json(indent=2), "config.json")
         console.print(f"[bold]run[/] {run_id}  mlflow run {mlflow_run}  store {store_uri}")
     else:
