@@ -1,12 +1,19 @@
-"""TRL's side of benchmarks/bench_rollout.py: GRPOTrainer steps on the same model, prompts, batch,
-reward, learning rate and thread count, in TRL's own environment (no flyroll import).
+"""TRL's side of `flyroll bench`: GRPOTrainer steps on the same model, prompts, batch, reward,
+learning rate and thread count, in TRL's own environment (no flyroll import), served one at a time
+so the benchmark can alternate them with flyroll's.
 
-  /work/venv-trl/bin/python benchmarks/trl_grpo_step.py SPEC.json
+  .venv-trl/bin/python benchmarks/trl_grpo_step.py SPEC.json
 
-SPEC.json (written by bench_rollout.py): model_dir, chat, problems [{prompt, answer}], samples,
+SPEC.json (written by infra/bench.py): model_dir, chat, problems [{prompt, answer}], samples,
 max_new, batches, threads, lr. One GRPO step = generation of len(problems) x samples completions
 with transformers (temperature 1), the exact-match reward, beta=0 (no reference model), one
-optimizer step. The first step is a warm-up; prints `RESULT {json}` with the timed steps.
+optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.
+
+Protocol (as benchmarks/flyroll_grpo_step.py; stdout carries only these lines):
+  -> READY {json}      after loading and the warm-up step
+  <- STEP <i>          run the next step (the trainer waits for it in on_step_begin)
+  -> RESULT {json}     s, samples, tokens (completion tokens counted in the reward function)
+  <- EXIT              stop
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import time
 
 
 def main(spec_path: str) -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel; fd 1 itself now goes to stderr
+    os.dup2(2, 1)
+    t_start = time.perf_counter()
     import torch
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -35,24 +45,34 @@ def main(spec_path: str) -> None:
     else:  # the char-level tokenizer as saved (AutoTokenizer would rebuild a Qwen2Tokenizer for model_type qwen2)
         tok = PreTrainedTokenizerFast.from_pretrained(model_dir, padding_side="left")
         prompts = [p["prompt"] for p in problems]
-    data = Dataset.from_dict({"prompt": prompts * (spec["batches"] + 2), "answer": [p["answer"] for p in problems] * (spec["batches"] + 2)})
+    n_rows = B * (spec["batches"] + 2)
+    data = Dataset.from_dict({"prompt": (prompts * (spec["batches"] + 2))[:n_rows],
+                              "answer": ([p["answer"] for p in problems] * (spec["batches"] + 2))[:n_rows]})
+    step_tokens = [0]
 
-    def exact_match(completions, answer, **_):
+    def exact_match(completions, answer, completion_ids=None, **_):
+        step_tokens[0] += sum(len(c) for c in completion_ids or [])
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(t.split("\n", 1)[0].strip() == a.strip()) for t, a in zip(texts, answer)]
 
-    times, lengths = [], []
+    class Serve(TrainerCallback):
+        """Step 0 runs at once (warm-up); each later step waits for STEP on stdin."""
 
-    class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if state.global_step > 0:
+                line = sys.stdin.readline().split()
+                if not line or line[0] == "EXIT":
+                    proto.close()
+                    os._exit(0)  # mid-training: nothing to save
+            step_tokens[0] = 0
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
+            r = {"s": time.perf_counter() - self.t0, "samples": B * G, "tokens": step_tokens[0]}
+            if state.global_step == 1:
+                proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t_start, "warmup": r}) + "\n")
+            else:
+                proto.write("RESULT " + json.dumps(r) + "\n")
 
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
@@ -72,18 +92,14 @@ def main(spec_path: str) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[Timer()])
-    trainer.train()
-    timed, lens = times[1:], lengths[1 : len(times)]
-    total = sum(timed)
-    tokens = sum(lens) * B * G
-    print("RESULT " + json.dumps({
-        "step_samples_per_s": B * G * len(timed) / total,
-        "step_tokens_per_s": tokens / total,
-        "step_s": total / len(timed),
-        "mean_completion_length": sum(lens) / max(1, len(lens)),
-    }), flush=True)
+    try:
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match, args=cfg, train_dataset=data,
+                              processing_class=tok, callbacks=[Serve()])
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail
+        proto.write("ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        raise
+    sys.stdin.readline()  # the driver's EXIT
 
 
 if __name__ == "__main__":

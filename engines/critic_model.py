@@ -52,13 +52,14 @@ def critic_from_policy(policy_dir: str, dtype: torch.dtype = torch.float32) -> V
     return critic
 
 
-def save_critic(critic: ValueModel, path: str) -> str:
-    """config.json + model.safetensors (backbone.* and value_head.* tensors) into `path`."""
+def save_critic(critic: ValueModel, path: str, state_dict: dict | None = None) -> str:
+    """config.json + model.safetensors (backbone.* and value_head.* tensors) into `path`.
+    `state_dict`: the full weights when `critic`'s own are sharded (engines/strategies.py)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     critic.backbone.config.save_pretrained(path)
-    state = {k: v.detach().contiguous().clone() for k, v in critic.state_dict().items()}
+    state = {k: v.detach().contiguous().clone() for k, v in (critic.state_dict() if state_dict is None else state_dict).items()}
     save_file(state, os.path.join(path, _WEIGHTS), metadata={"format": "pt", "flyroll": "critic"})
     return path
 

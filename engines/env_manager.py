@@ -10,6 +10,12 @@ produced. ``loss_mask`` is 1 on the a_k tokens and 0 on the o_k tokens; ``behavi
 holds the engine's log-probs on a_k and 0.0 on o_k. The environment's reply to the last action
 (or to an action that ends the episode) is not appended: the policy never reads it.
 
+Chat models (``chat=True``): the first prompt is the tokenizer's chat template over a system turn
+(the instructions) and a user turn (the first observation), ending with the assistant header; each
+environment reply is wrapped as the template wraps a user turn — end of the assistant turn (skipped
+when the policy already produced the end-of-turn token), user header, observation, end of turn,
+assistant header — so an instruct model reads a normal conversation, still token-in/token-out.
+
 Truncation: before appending a reply, if prompt + response + reply + ``max_new_tokens`` would pass
 ``max_context_tokens`` the episode stops there with ``truncated = True`` (the reply is dropped).
 An environment that raises in ``step`` ends its episode (``env_error`` set), never the batch.
@@ -103,6 +109,38 @@ def reply_text(action_text: str, observation: str) -> str:
     return observation if action_text.endswith("\n") or not action_text else "\n" + observation
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the tokenizer's chat template frames a conversation, cut into the pieces a multi-turn
+    episode needs: ``first(instructions, observation)`` is the rendered system + user turn with the
+    assistant header; an environment reply is ``end_of_turn + user_open + observation + user_close``
+    (``user_close`` holds the next assistant header)."""
+    tokenizer: object
+    end_of_turn: str
+    user_open: str
+    user_close: str
+
+    @classmethod
+    def of(cls, tokenizer) -> "ChatFormat":
+        X, Y, Z = "\x01X\x01", "\x01Y\x01", "\x01Z\x01"   # markers no template contains
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "s"}, {"role": "user", "content": X}, {"role": "assistant", "content": Y},
+             {"role": "user", "content": Z}], add_generation_prompt=True, tokenize=False)
+        between, after = text.split(Y, 1)[1].split(Z, 1)
+        eos = tokenizer.eos_token or ""
+        end = between[: between.index(eos) + len(eos)] if eos and eos in between else ""
+        return cls(tokenizer, end, between[len(end):], after)
+
+    def first(self, instructions: str, observation: str) -> str:
+        return self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": instructions.strip()}, {"role": "user", "content": observation}],
+            add_generation_prompt=True, tokenize=False)
+
+    def reply(self, action_ids: list[int], observation: str) -> str:
+        ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_token_id
+        return ("" if ended else self.end_of_turn) + self.user_open + observation + self.user_close
+
+
 def run_episodes(
     engine: GenerationEngine,
     tokenizer,
@@ -114,10 +152,13 @@ def run_episodes(
     max_context_tokens: int,
     sampling: SamplingParams,
     env_kwargs: dict | None = None,
+    chat: bool = False,
 ) -> list[Episode]:
     """Run ``len(seeds) × group_size`` episodes of ``env_name`` in lock-step; one
     ``engine.generate`` call per turn over all live episodes (n=1 each). Returns the episodes
-    ordered by (group, sample). Use ``sampling.stop=("\\n",)`` so a turn ends at its line."""
+    ordered by (group, sample). Use ``sampling.stop=("\\n",)`` so a turn ends at its line;
+    ``chat=True`` frames the episode with the tokenizer's chat template (``ChatFormat``)."""
+    fmt = ChatFormat.of(tokenizer) if chat else None
     if group_size < 1 or max_turns < 1:
         raise ValueError(f"group_size and max_turns must be >= 1, got {group_size} and {max_turns}")
     envs, episodes = [], []
@@ -125,7 +166,8 @@ def run_episodes(
         for s in range(group_size):
             env = make_env(env_name, **(env_kwargs or {}))
             try:
-                first = env.instructions + env.reset(seed)
+                observation = env.reset(seed)
+                first = fmt.first(env.instructions, observation) if fmt else env.instructions + observation
             except Exception as e:  # a broken reset is a configuration error: say which seed
                 raise RuntimeError(f"environment {env_name!r} failed to reset with seed {seed}: {e!r}") from e
             ids = _encode(tokenizer, first)
@@ -163,7 +205,7 @@ def run_episodes(
             if done or ep.env_error is not None or turn == max_turns - 1:
                 ep.done, ep.final_reply = bool(done) and ep.env_error is None, observation
                 continue
-            reply = reply_text(action, observation)
+            reply = fmt.reply(comp.token_ids, observation) if fmt else reply_text(action, observation)
             reply_ids = _encode(tokenizer, reply)
             context_len = len(ep.prompt_token_ids) + len(ep.response_token_ids) + len(reply_ids)
             if context_len + sampling.max_new_tokens > max_context_tokens:
@@ -215,21 +257,49 @@ def episode_metrics(episodes: list[Episode], prefix: str = "env") -> dict[str, f
     }
 
 
-def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None) -> list[tuple[str, str]]:
+WASTED_MOVES = ("left", "down", "right", "up")   # candidates for the imperfect teacher's habit
+
+
+def wasted_action(env) -> str | None:
+    """The first of ``WASTED_MOVES`` that is valid but leaves the state unchanged (and does not end
+    the episode), tried on a copy of ``env``; None if there is none (e.g. ToolMath)."""
+    import copy
+
+    for move in WASTED_MOVES:
+        trial = copy.deepcopy(env)
+        key = trial.state_key()
+        _, _, done, info = trial.step(move + "\n")
+        if info.get("valid_action") and not info.get("effective") and not done and trial.state_key() == key:
+            return move
+    return None
+
+
+def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None,
+                    habit_rate: float = 0.0, habit_seed: int = 0) -> list[tuple[str, str]]:
     """(prompt, response) demonstrations by the environment's scripted solver, laid out exactly as
     ``run_episodes`` lays out text (each action on its own line, then the environment's reply; no
     reply after the last action). Re-plans after every step (slippery FrozenLake); seeds the solver
-    cannot finish within ``max_turns`` are skipped. For ``engines.pretrain.supervised_finetune``."""
+    cannot finish within ``max_turns`` are skipped. For ``engines.pretrain.supervised_finetune``.
+
+    ``habit_rate`` > 0 makes the teacher imperfect: before each planned move, with that probability
+    (``random.Random(habit_seed)``), it first wastes a turn on ``wasted_action(env)`` when one
+    exists — a habit the pre-trained policy inherits and RL must unlearn."""
+    import random
+
+    rng = random.Random(habit_seed)
     pairs = []
     for seed in seeds:
         env = make_env(env_name, **(env_kwargs or {}))
         prompt = env.instructions + env.reset(seed)
         response, success = "", False
+        wasted_here = False
         for turn in range(max_turns):
             plan = env.solve()
             if not plan:
                 break
-            action = plan[0] + "\n"
+            move = wasted_action(env) if habit_rate > 0 and not wasted_here and rng.random() < habit_rate else None
+            wasted_here = move is not None          # at most one wasted turn in a row
+            action = (move or plan[0]) + "\n"
             observation, _, done, info = env.step(action)
             response += action
             if done or turn == max_turns - 1:

@@ -60,6 +60,14 @@ def build_tiny_policy(
 
 def load_policy(path: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local Hugging Face model directory (the caller fetches remote URIs)."""
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a local model directory, as every stage reads it (left padding, a pad token), so
+    an engine that loads the weights itself (vLLM) still gets the same token ids as training."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist (expected a Hugging Face model dir)")
     tok_cfg = os.path.join(path, "tokenizer_config.json")
@@ -75,14 +83,17 @@ def load_policy(path: str, dtype: torch.dtype = torch.float32):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model, tokenizer
+    return tokenizer
 
 
-def save_policy(model, tokenizer, path: str) -> str:
-    """Write safetensors shards + config + tokenizer to `path`; returns `path`."""
+def save_policy(model, tokenizer, path: str, state_dict: dict | None = None) -> str:
+    """Write safetensors shards + config + tokenizer to `path`; returns `path`. `state_dict`: the
+    full weights when `model`'s own are sharded (engines/strategies.py `full_state_dict`)."""
     os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    if state_dict is not None:  # drop tied duplicates (lm_head = embed_tokens), as save_pretrained does for its own
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        state_dict = {k: v for k, v in state_dict.items() if k not in tied}
+    model.save_pretrained(path, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     return path
 

@@ -7,6 +7,10 @@ with GAE), on a scored rollout batch.
 sequence count of its mini-batch, so the update does not depend on the micro-batch size.
 `TorchCriticEngine.train_step` does the same for the clipped value loss against the GAE returns,
 with its own AdamW and learning rate.
+
+Both engines run on any training strategy (`engines/strategies.py`: torch, ddp, fsdp2, DeepSpeed
+ZeRO-2/3): the strategy wraps the model and optimizer; with N ranks each rank trains on its shard of
+every mini-batch with the same global normalisers, so the update equals the single-process one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from engines.algorithms.aggregate import global_counts
 from engines.algorithms.aggregate import masked_mean
 from engines.algorithms.objective import actor_loss, critic_loss
 from engines.batching import TokenBatch, response_logprobs
+from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shard
 
 
 _SHARE_METRICS = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"}
@@ -55,9 +60,34 @@ def _trim(sub: TokenBatch) -> tuple[TokenBatch, int]:
                       sub.responses[:, :t], sub.response_mask[:, :t]), t
 
 
-def _adamw(params, lr, weight_decay, betas, warmup_steps, total_steps, min_lr_ratio):
-    """AdamW + LR schedule: linear warmup, then cosine to min_lr_ratio (or constant)."""
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+def _micro_steps(strategy: TrainStrategy, mini: list[int], prompt_lens: list[int], resp_lens: list[int],
+                 max_tokens: int) -> list[tuple[list[int], float]]:
+    """(row indices, weight) of each forward/backward this rank runs for mini-batch `mini`: its
+    shard split by token count, padded with zero-weighted rows to the busiest rank's count."""
+    splits = []
+    for r in range(strategy.world_size):
+        rows = shard(mini, r, strategy.world_size)
+        groups = split_by_tokens([prompt_lens[i] for i in rows], max_tokens, [resp_lens[i] for i in rows])
+        splits.append([[rows[j] for j in mb] for mb in groups])
+    return micro_batches(splits, strategy.rank, mini[:1])
+
+
+def _to(device: torch.device, sub: TokenBatch, *tensors):
+    """`sub` and `tensors` (None allowed) on `device` (no copies on CPU)."""
+    if device.type == "cpu":
+        return (sub, *tensors)
+    return (TokenBatch(*(x.to(device) for x in (sub.input_ids, sub.attention_mask, sub.position_ids, sub.responses,
+                                                sub.response_mask))),
+            *(None if x is None else x.to(device) for x in tensors))
+
+
+def _adamw(lr, weight_decay, betas):
+    """The optimizer factory a strategy calls on its (possibly sharded) parameters."""
+    return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def _lr_schedule(optimizer, warmup_steps, total_steps, min_lr_ratio):
+    """LR schedule: linear warmup, then cosine to min_lr_ratio (or constant)."""
 
     def schedule(step: int) -> float:
         if warmup_steps and step < warmup_steps:
@@ -67,7 +97,7 @@ def _adamw(params, lr, weight_decay, betas, warmup_steps, total_steps, min_lr_ra
         prog = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 class TorchTrainEngine:
@@ -81,17 +111,22 @@ class TorchTrainEngine:
         warmup_steps: int = 0,
         total_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        strategy: TrainStrategy | None = None,
     ):
+        """`model` is the plain module (saved as the checkpoint); `self.module` is what the strategy
+        wrapped it into (forward goes through it)."""
         self.model = model
         self.grad_clip = grad_clip
-        self.optimizer, self.scheduler = _adamw(model.parameters(), lr, weight_decay, betas, warmup_steps,
-                                                total_steps, min_lr_ratio)
+        self.strategy = strategy or TorchStrategy()
+        self.module, self.optimizer = self.strategy.prepare(model, _adamw(lr, weight_decay, betas), grad_clip)
+        self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Collective under multi-process strategies; complete on rank 0."""
+        return {"optimizer": self.strategy.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def train_step(
@@ -112,52 +147,55 @@ class TorchTrainEngine:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `actor/*` metrics.
         `rollout_logprobs` turn on truncated importance sampling when `cfg.tis_cap` is set;
         `kl_coef` is the KL controller's current β (None = `cfg.kl_coef`)."""
-        self.model.train()
+        strategy = self.strategy
+        self.module.train()
         B = batch.input_ids.shape[0]
         P = batch.prompt_width
         prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
         resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
         g = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
-        n_updates, t0, tokens = 0, time.perf_counter(), 0
+        n_updates, t0, tokens, norms = 0, time.perf_counter(), 0, 0.0
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(B, generator=g).tolist()
             for ms in range(0, B, mini_batch_size):
                 mini = order[ms : ms + mini_batch_size]
                 num_tokens, num_seqs = global_counts(batch.response_mask[mini])
-                self.optimizer.zero_grad(set_to_none=True)
-                micro = split_by_tokens([prompt_lens[i] for i in mini], max_tokens_per_micro_batch,
-                                        [resp_lens[i] for i in mini])
-                for mb in micro:
-                    idx = [mini[j] for j in mb]
+                strategy.zero_grad(self.optimizer)
+                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch)
+                for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
-                    logp, entropy = response_logprobs(self.model, sub, temperature, with_entropy=True)
-                    loss, m = actor_loss(
-                        cfg,
-                        logp,
-                        old_logprobs[idx, :t],
-                        None if ref_logprobs is None else ref_logprobs[idx, :t],
-                        advantages[idx, :t],
-                        sub.response_mask,
-                        entropy=entropy,
-                        num_tokens=num_tokens,
-                        num_seqs=num_seqs,
-                        rollout_logprobs=None if rollout_logprobs is None else rollout_logprobs[idx, :t],
-                        kl_coef=kl_coef,
-                    )
-                    loss.backward()
-                    w = len(idx) / len(mini)
+                    sub, old, ref, adv, behaviour = _to(
+                        strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
+                        advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
+                    with strategy.micro_batch(last=n == len(micro) - 1):
+                        logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True)
+                        loss, m = actor_loss(
+                            cfg,
+                            logp,
+                            old,
+                            ref,
+                            adv,
+                            sub.response_mask,
+                            entropy=entropy,
+                            num_tokens=num_tokens,
+                            num_seqs=num_seqs,
+                            rollout_logprobs=behaviour,
+                            kl_coef=kl_coef,
+                        )
+                        strategy.backward(loss * weight)
+                    w = weight * len(idx) / len(mini)
                     for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
-                        sums[k] = sums.get(k, 0.0) + (float(v) if k in _SHARE_METRICS else w * float(v))
-                    tokens += int(sub.attention_mask.sum())
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
+                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
+                    tokens += int(weight * sub.attention_mask.sum())
+                norms += strategy.step(self.optimizer)
                 self.scheduler.step()
                 n_updates += 1
+        keys = sorted(sums)  # every rank ran the same micro-batches, so the same keys
+        *values, tokens = strategy.all_reduce_sum([sums[k] for k in keys] + [tokens])
         elapsed = time.perf_counter() - t0
-        metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
+        metrics = {k: v / max(1, n_updates) for k, v in zip(keys, values)}
+        metrics["actor/grad_norm"] = norms / max(1, n_updates)
         metrics.update(
             {
                 "actor/lr": self.scheduler.get_last_lr()[0],
@@ -173,17 +211,20 @@ class TorchCriticEngine:
     its own AdamW; same mini-batch order and token-count micro-batching as the actor."""
 
     def __init__(self, critic, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 grad_clip: float = 1.0, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.1):
+                 grad_clip: float = 1.0, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.1,
+                 strategy: TrainStrategy | None = None):
         self.critic = critic
         self.grad_clip = grad_clip
-        self.optimizer, self.scheduler = _adamw(critic.parameters(), lr, weight_decay, betas, warmup_steps,
-                                                total_steps, min_lr_ratio)
+        self.strategy = strategy or TorchStrategy()
+        self.module, self.optimizer = self.strategy.prepare(critic, _adamw(lr, weight_decay, betas), grad_clip)
+        self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Collective under multi-process strategies; complete on rank 0."""
+        return {"optimizer": self.strategy.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def train_step(
@@ -200,37 +241,38 @@ class TorchCriticEngine:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `critic/*` metrics."""
         from engines.critic_model import response_values
 
-        self.critic.train()
+        strategy = self.strategy
+        self.module.train()
         B, P = batch.input_ids.shape[0], batch.prompt_width
         prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
         resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
         g = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
-        n_updates = 0
+        n_updates, norms = 0, 0.0
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(B, generator=g).tolist()
             for ms in range(0, B, mini_batch_size):
                 mini = order[ms : ms + mini_batch_size]
                 num_tokens, num_seqs = global_counts(batch.response_mask[mini])
-                self.optimizer.zero_grad(set_to_none=True)
-                for mb in split_by_tokens([prompt_lens[i] for i in mini], max_tokens_per_micro_batch,
-                                          [resp_lens[i] for i in mini]):
-                    idx = [mini[j] for j in mb]
+                strategy.zero_grad(self.optimizer)
+                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch)
+                for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
-                    values = response_values(self.critic, sub)                          # [b, t]
-                    loss, m = critic_loss(cfg, values, old_values[idx, :t], returns[idx, :t], sub.response_mask,
-                                          num_tokens=num_tokens, num_seqs=num_seqs)
-                    loss.backward()
-                    w = len(idx) / len(mini)
+                    sub, old, ret = _to(strategy.device, sub, old_values[idx, :t], returns[idx, :t])
+                    with strategy.micro_batch(last=n == len(micro) - 1):
+                        values = response_values(self.module, sub)                      # [b, t]
+                        loss, m = critic_loss(cfg, values, old, ret, sub.response_mask,
+                                              num_tokens=num_tokens, num_seqs=num_seqs)
+                        strategy.backward(loss * weight)
+                    w = weight * len(idx) / len(mini)
                     for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + (float(v) if k in _SHARE_METRICS else w * float(v))
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + float(grad_norm)
+                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
+                norms += strategy.step(self.optimizer)
                 self.scheduler.step()
                 n_updates += 1
-        metrics = {k: v / max(1, n_updates) for k, v in sums.items()}
+        keys = sorted(sums)
+        metrics = {k: v / max(1, n_updates) for k, v in zip(keys, strategy.all_reduce_sum([sums[k] for k in keys]))}
+        metrics["critic/grad_norm"] = norms / max(1, n_updates)
         mask = batch.response_mask.float()
         metrics.update({
             "critic/values_mean": float(masked_mean(old_values, mask)),

@@ -18,18 +18,37 @@ Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, li
 - `sleep()` / `wake_up()`: free the weights and KV cache between rollouts on GPU; no-ops on CPU.
 
 vLLM is imported inside the class, so this module imports without it. vLLM starts its engine core
-in a spawned process: a script that builds this engine needs an `if __name__ == "__main__":` guard.
+in a spawned process: a script that builds this engine needs an `if __name__ == "__main__":` guard
+(not with VLLM_ENABLE_V1_MULTIPROCESSING=0, the core in process, as GenerationWorker runs it).
 CPU settings (read when the engine starts): `VLLM_CPU_KVCACHE_SPACE` (GiB, from `kv_cache_gb`),
 `VLLM_CPU_OMP_THREADS_BIND` (default: every core this process may use, e.g. `0-1`),
-`VLLM_CPU_NUM_OF_RESERVED_CPU=0`. The CPU attention kernels need head_dim in
-{32, 64, 80, 96, 112, 128, ...}.
+`VLLM_CPU_NUM_OF_RESERVED_CPU=0`. The CPU attention kernels need head_dim in `CPU_HEAD_DIMS` (checked
+at start, with a clear error).
+
+Token ids in, so tokenisation is the caller's (GenerationWorker passes the tokenizer every stage loads,
+`engines.modeling.load_tokenizer`, and it decodes `Completion.text`); vLLM's own tokenizer of the model
+directory only detokenises to find stop strings.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 from engines.generation import Completion, SamplingParams
+
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention kernels
+
+
+def _head_dim(model_dir: str) -> int | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 def _cpu_bind() -> str:
@@ -73,6 +92,7 @@ class VLLMGenerationEngine:
         max_num_seqs: int = 256,
         enable_prefix_caching: bool = True,
         cpu_bind: str | None = None,
+        tokenizer=None,
         **llm_kwargs,
     ):
         """model_dir: HF model directory (safetensors + config + tokenizer).
@@ -81,7 +101,8 @@ class VLLMGenerationEngine:
         (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: kv_cache_memory_bytes). seed: engine seed (used when a
         request has none). dtype: "float32" matches the HF engine's log-probs to ~1e-6;
         "bfloat16" is faster where the CPU/GPU supports it. cpu_bind: CPU cores for vLLM's OpenMP
-        threads (default: all cores of this process). llm_kwargs go to `vllm.LLM` as they are."""
+        threads (default: all cores of this process). tokenizer: decodes `Completion.text` (default: vLLM's
+        tokenizer of model_dir). llm_kwargs go to `vllm.LLM` as they are."""
         try:
             import vllm
             from vllm.platforms import current_platform
@@ -91,6 +112,11 @@ class VLLMGenerationEngine:
                 f"then pip uninstall -y torchvision torchaudio torchcodec; see docs/engines.md): {e}"
             ) from e
         self.on_cpu = current_platform.is_cpu()
+        head_dim = _head_dim(model_dir)
+        if self.on_cpu and head_dim is not None and head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(f"{model_dir}: head_dim {head_dim} is not supported by vLLM's CPU attention (expected one of "
+                             f"{list(CPU_HEAD_DIMS)}); for the bootstrapped tiny model make model.bootstrap.hidden_size / "
+                             "num_heads one of them, or use rollout.engine 'hf'")
         if self.on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind or _cpu_bind())
@@ -111,9 +137,10 @@ class VLLMGenerationEngine:
             worker_extension_cls="engines.vllm_engine.WeightSyncExtension",
             **llm_kwargs,
         )
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self._vllm = vllm
         self.sleeping = False
+        self.last_reload_s = 0.0
 
     # -------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -159,9 +186,12 @@ class VLLMGenerationEngine:
 
     def load_weights(self, model_dir: str) -> None:
         """In-place weight update from a model directory of the same architecture (no restart)."""
+        start = time.perf_counter()
+        self.wake_up()  # a sleeping engine's weights are offloaded or freed: bring them back to overwrite
         self.llm.collective_rpc("flyroll_reload_weights", args=(model_dir,))
         self.llm.reset_prefix_cache()
         self.model_dir = model_dir
+        self.last_reload_s = time.perf_counter() - start
 
     def sleep(self, level: int = 1) -> None:
         """Free weights (level 2) or offload them (level 1) and drop the KV cache; no-op on CPU."""

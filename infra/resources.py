@@ -4,10 +4,19 @@ Tasks import these by role. The profile is chosen when the workflow module is im
 (`FLYROLL_PROFILE=cpu|gpu`, default cpu) so `pyflyte package` compiles the resources into the
 tasks; on a local run Flyte ignores task resources and Ray actors reserve no CPUs (stages run one
 after another on the same few cores).
+
+Per-role placement (config `placement:`): `placement_plan(cfg)` resolves, per role (actor_train,
+actor_infer, reference, critic, reward), its engine, worker count and per-worker resources;
+`task_resources_for` / `ray_job_for` / `actor_options_for` turn that into the hosting stage's
+Flyte resources, its Ray cluster (one pod per worker) and the actors' reservations (colocated roles
+reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
+defaults they return exactly the profile values above. `pyflyte package` with FLYROLL_CONFIG=<preset>
+compiles a preset's placement into the tasks' resources.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,8 +69,25 @@ def role(name: str) -> RoleSpec:
     return PROFILES[profile()][name]
 
 
+def _packaged_config():
+    """The config named by FLYROLL_CONFIG at import/package time, or None."""
+    path = os.environ.get("FLYROLL_CONFIG")
+    if not path:
+        return None
+    from configs.schema import load_config
+
+    return load_config(path)
+
+
 def task_resources(name: str) -> dict:
     """Keyword arguments for `@task(...)`: requests, limits, accelerator."""
+    cfg = _packaged_config()
+    if cfg is not None and name in _POOLS:
+        return task_resources_for(cfg, name)
+    return _profile_task_resources(name)
+
+
+def _profile_task_resources(name: str) -> dict:
     spec = role(name)
     kw = {"requests": spec.requests, "limits": spec.limits}
     if spec.accelerator is not None:
@@ -71,6 +97,13 @@ def task_resources(name: str) -> dict:
 
 def ray_job(name: str) -> RayJobConfig:
     """The ephemeral Ray cluster of a role's task (KubeRay on Kubernetes; a local Ray instance locally)."""
+    cfg = _packaged_config()
+    if cfg is not None and name in _POOLS:
+        return ray_job_for(cfg, name)
+    return _profile_ray_job(name)
+
+
+def _profile_ray_job(name: str) -> RayJobConfig:
     spec = role(name)
     workers = []
     if spec.ray_workers:
@@ -89,3 +122,117 @@ def actor_options(name: str, local: bool) -> dict:
     if local:
         return {"num_cpus": 0}
     return {"num_cpus": spec.actor_cpus, "num_gpus": spec.actor_gpus}
+
+
+# --- per-role placement (config `placement:`) ------------------------------------------------------
+
+# placement role -> (the stage task that hosts it, the actor pool that runs it; critic rides in the
+# training workers)
+HOSTS = {"actor_infer": ("rollout", "generation"), "reward": ("scoring", "reward"), "reference": ("reference", "reference"),
+         "actor_train": ("training", "training"), "critic": ("training", "training")}
+_POOLS = {task: pool for task, pool in HOSTS.values()}  # stage task -> its actor pool
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One role, resolved: engine and worker count from its config section, per-worker resources
+    from `placement` (or the profile), the roles it shares devices with (itself included)."""
+
+    role: str
+    task: str
+    pool: str
+    engine: str
+    num_workers: int
+    cpu: float
+    gpu: float
+    memory_gi: float
+    group: tuple[str, ...]
+    custom: bool  # placement sets something for it (else the profile's values apply unchanged)
+
+
+def _gi(mem: str) -> float:
+    units = {"Ki": 1 / 2**20, "Mi": 1 / 2**10, "Gi": 1.0, "Ti": 2**10}
+    return float(mem[:-2]) * units[mem[-2:]]
+
+
+def placement_plan(cfg) -> dict[str, RolePlan]:
+    """role -> RolePlan for the five placement roles of a FlyrollConfig."""
+    p, gae = cfg.placement, cfg.algorithm.advantage == "gae"
+    groups = [tuple(g) for g in p.colocate]
+    if not any("critic" in g for g in groups):  # the critic always shares the training workers
+        groups = [g + ("critic",) if "actor_train" in g else g for g in groups]
+    engines = {"actor_infer": (cfg.rollout.engine, cfg.rollout.num_workers), "reward": ("reward_fn", cfg.reward.num_workers),
+               "reference": ("torch", 1), "actor_train": (cfg.training.strategy, cfg.training.num_workers),
+               "critic": (cfg.training.strategy if gae else "none", cfg.training.num_workers if gae else 0)}
+    plan = {}
+    for name, (task, pool) in HOSTS.items():
+        spec, res = role(task), getattr(p, name)
+        extra = name == "critic"  # the critic's resources come on top of actor_train's, default none
+        group = next((g for g in groups if name in g), (name,))
+        plan[name] = RolePlan(
+            role=name, task=task, pool=pool, engine=engines[name][0], num_workers=engines[name][1],
+            cpu=res.cpu if res.cpu is not None else (0.0 if extra else float(spec.actor_cpus)),
+            gpu=res.gpu if res.gpu is not None else (0.0 if extra else float(spec.actor_gpus)),
+            memory_gi=_gi(res.memory) if res.memory else (0.0 if extra else _gi(spec.requests.mem)),
+            group=group, custom=res != type(res)() or len(group) > 1)
+    return plan
+
+
+def _pool_footprint(plan: dict[str, RolePlan], pool: str) -> tuple[float, float, float, bool]:
+    """(cpu, gpu, memory Gi, custom) one worker of `pool` needs: the sum over the roles it hosts."""
+    roles = [r for r in plan.values() if r.pool == pool and (r.num_workers or r.role != "critic")]
+    return (sum(r.cpu for r in roles), sum(r.gpu for r in roles), sum(r.memory_gi for r in roles),
+            any(r.custom for r in roles))
+
+
+def task_resources_for(cfg, task: str) -> dict:
+    """`@task(...)` resources of the stage hosting a placement role: one pod = one worker (at least
+    the profile's pod CPUs and memory, which leave room for the task's own process)."""
+    cpu, gpu, mem, custom = _pool_footprint(placement_plan(cfg), _POOLS[task])
+    if not custom:
+        return _profile_task_resources(task)
+    pod = role(task).requests
+    cpu, mem = max(cpu, float(pod.cpu)), max(mem, _gi(pod.mem))
+    res = Resources(cpu=f"{cpu:g}", mem=f"{mem:g}Gi", gpu=str(math.ceil(gpu)) if gpu else None)
+    kw = {"requests": res, "limits": res}
+    if gpu:
+        kw["accelerator"] = role(task).accelerator or A100
+    return kw
+
+
+def ray_job_for(cfg, task: str) -> RayJobConfig:
+    """The stage's Ray cluster sized for its role's workers: the head pod hosts worker 0, a worker
+    group of `num_workers - 1` pods the rest, each pod with one worker's resources."""
+    plan = placement_plan(cfg)
+    pool = _POOLS[task]
+    cpu, gpu, mem, custom = _pool_footprint(plan, pool)
+    if not custom:
+        return _profile_ray_job(task)
+    n = max(r.num_workers for r in plan.values() if r.pool == pool)
+    kw = task_resources_for(cfg, task)
+    params = {"num-cpus": kw["requests"].cpu, **({"num-gpus": f"{math.ceil(gpu)}"} if gpu else {})}
+    workers = [WorkerNodeConfig(group_name=f"{task}-workers", replicas=n - 1, requests=kw["requests"], limits=kw["limits"],
+                                ray_start_params=params)] if n > 1 else []
+    return RayJobConfig(
+        head_node_config=HeadNodeConfig(requests=kw["requests"], limits=kw["limits"], ray_start_params=params),
+        worker_node_config=workers,
+        shutdown_after_job_finishes=True,
+        ttl_seconds_after_finished=120,
+    )
+
+
+def actor_options_for(cfg, role_name: str, local: bool) -> dict:
+    """`.options(...)` for a placement role's actors. Colocated roles whose actors share a Ray
+    cluster (all of them on a local run, the stage's own on a cluster) each reserve 1/k of their
+    worker's CPUs and GPUs, so Ray packs them onto the same devices; a separate role reserves whole
+    ones. Local runs reserve no CPUs (stages are sequential), only GPUs a role asks for."""
+    plan = placement_plan(cfg)
+    me = plan[role_name]
+    cpu, gpu, _, custom = _pool_footprint(plan, me.pool)
+    if not custom:
+        return actor_options(me.task, local)
+    sharing = {plan[r].pool for r in me.group if local or plan[r].task == me.task}
+    share = max(1, len(sharing))
+    if local:
+        return {"num_cpus": 0, **({"num_gpus": gpu / share} if gpu else {})}
+    return {"num_cpus": cpu / share, "num_gpus": gpu / share}

@@ -24,21 +24,27 @@ from tasks.rollout import generation_pool
 from tasks.types import PolicyRef, RunSpec
 
 
-def _params(cfg, greedy: bool, iteration: int = 0):
+EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for every checkpoint
+
+
+def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = None):
     from engines.generation import SamplingParams
 
     r = cfg.rollout
-    return SamplingParams(n=1, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop=tuple(r.stop) or ("\n",), seed=None if greedy else cfg.run.seed * 100_003 + iteration)
+    return SamplingParams(n=1, temperature=0.0 if greedy else (r.temperature if temperature is None else temperature), top_p=r.top_p,
+                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or ("\n",),
+                          seed=None if greedy else cfg.run.seed * 100_003 + iteration)
 
 
-def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0):
+def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
+          temperature: float | None = None):
     cfg = config_of(spec)
     e = cfg.env
     workers = generation_pool(spec, policy)
     shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
     futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
-                                 _params(cfg, greedy, iteration), dict(e.kwargs)) for w, shard in zip(workers, shards)]
+                                 _params(cfg, greedy, iteration, temperature), dict(e.kwargs), cfg.model.apply_chat_template)
+               for w, shard in zip(workers, shards)]
     episodes = []
     for shard_index, eps in enumerate(ray.get(futures)):
         offset = sum(len(s) for s in shards[:shard_index])
@@ -99,15 +105,22 @@ def score_episodes(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.Dat
 
 @task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
 def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
-    """Greedy episodes on the fixed held-out seeds; eval/success_rate (= eval/accuracy), effective- and
-    invalid-action rates, turns, return; transcripts of the first episodes as an MLflow artifact."""
+    """Episodes on the fixed held-out seeds: greedy, or (env.eval_temperature > 0) sampled with one fixed
+    sampling seed, plus the greedy ones as eval/greedy/*. eval/success_rate (= eval/accuracy),
+    effective- and invalid-action rates, turns, return; transcripts of the first episodes as an MLflow artifact."""
     from engines.env_manager import episode_metrics
 
     cfg = config_of(spec)
+    e = cfg.env
     metrics: dict[str, float] = {}
     with stage(spec, "evaluation", policy.version, metrics):
-        seeds = [EVAL_SEED0 + i for i in range(cfg.env.eval_episodes)]
-        episodes = _play(spec, policy, seeds, 1, greedy=True)
+        seeds = [EVAL_SEED0 + i for i in range(e.eval_episodes)]
+        if e.eval_temperature > 0:
+            episodes = _play(spec, policy, seeds, e.eval_samples_per_seed, greedy=False, iteration=EVAL_SAMPLING_OFFSET,
+                             temperature=e.eval_temperature)
+            metrics.update(episode_metrics(_play(spec, policy, seeds, 1, greedy=True), prefix="eval/greedy"))
+        else:
+            episodes = _play(spec, policy, seeds, 1, greedy=True)
         m = episode_metrics(episodes, prefix="eval")
         metrics.update(m)
         metrics["eval/accuracy"] = m["eval/success_rate"]

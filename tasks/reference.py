@@ -10,7 +10,7 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution
-from infra.resources import actor_options, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import ReferenceWorker
@@ -27,7 +27,7 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     metrics: dict[str, float] = {}
     with stage(spec, "reference", iteration, metrics):
         (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id, {"threads": cfg.run.torch_threads},
-                               actor_options("reference", is_local_execution()))
+                               actor_options_for(cfg, "reference", is_local_execution()))
         ray.get([worker.load.remote("reference", spec, reference.key), worker.load.remote("policy", spec, policy.key)])
         prompts = [list(p) for p in batch["prompt_token_ids"]]
         responses = [list(r) for r in batch["response_token_ids"]]

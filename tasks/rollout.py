@@ -8,19 +8,18 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution
-from infra.resources import actor_options, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, task_resources
 from tasks.common import config_of, fetch_cached, stage
 from tasks.types import DatasetRef, PolicyRef, RunSpec
-from tasks.workers import GenerationWorker
+from tasks.workers import GenerationWorker, generation_worker_kwargs
 
 
 def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
     """The run's generation actors, serving `policy` (first load or in-place weight update)."""
     cfg = config_of(spec)
     workers = actor_pool(
-        GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id,
-        {"threads": cfg.run.torch_threads, "micro_batch": cfg.rollout.micro_batch},
-        actor_options("rollout", is_local_execution()),
+        GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id, generation_worker_kwargs(cfg),
+        actor_options_for(cfg, "actor_infer", is_local_execution()),
     )
     ray.get([w.load.remote(spec, policy.key) for w in workers])
     return workers
@@ -75,8 +74,10 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
                                 max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=cfg.run.seed * 100_003 + iteration)
         shards = np.array_split(np.arange(len(ids)), len(workers))
         futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
+        results = ray.get(futures)
+        ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
         rows = []
-        for shard, completions in zip(shards, ray.get(futures)):
+        for shard, completions in zip(shards, results):
             for c in completions:
                 p = prompts.iloc[int(shard[c.prompt_index])]
                 rows.append({

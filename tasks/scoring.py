@@ -5,7 +5,11 @@ groups whose rewards are all equal (zero group-relative advantage) and refills t
 groups for further prompts with the run's generation actors, scores them and keeps the informative
 ones, until it has `rollout.prompts_per_iteration` groups or has made
 `algorithm.max_generation_rounds` generation calls (the rollout's included); then it trains on what
-it has (on the unfiltered batch when no group at all is informative).
+it has (on the unfiltered batch when no group at all is informative). Refill prompts are drawn
+with the rollout's `data.domain_weights` when they are set (`refill_prompts`).
+
+Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model each
+reward worker loads once (engines/rewards/models.py).
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ def _items(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
 def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[list[float], list[str | None]]:
     """Rewards and errors for every row. Raises and timeouts are isolated per call inside a worker; a
     worker that hangs is replaced after its batch; a worker that crashes has its rows re-scored one
-    by one in fresh workers, so only the sample that kills a worker is lost (scored 0, flagged)."""
+    by one in fresh workers, so only the sample that kills a worker is lost (scored 0, flagged).
+    Domains routed to `judge` / `reward_model` are scored in timed batches by a model each worker
+    loads once and keeps (engines/rewards/models.py)."""
     cfg = config_of(spec)
     n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
+    models = {"judge": cfg.reward.judge.model_dump(), "reward_model": cfg.reward.reward_model.model_dump()}
     opts = actor_options("scoring", is_local_execution())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
     workers = actor_pool(RewardWorker, role, n, spec.run_id, {}, opts)
-    futures = [w.score.remote([items[i] for i in s], timeout, routes) for w, s in zip(workers, shards)]
+    futures = [w.score.remote([items[i] for i in s], timeout, routes, models) for w, s in zip(workers, shards)]
     rewards: list[float] = [0.0] * len(items)
     errors: list[str | None] = [None] * len(items)
     tainted = False
@@ -58,7 +65,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
             for i in shard:
                 solo = actor_pool(RewardWorker, f"{role}-solo", 1, spec.run_id, {}, opts)[0]
                 try:
-                    (res,), hung = ray.get(solo.score.remote([items[i]], timeout, routes))
+                    (res,), hung = ray.get(solo.score.remote([items[i]], timeout, routes, models))
                     tainted |= hung
                 except ray.exceptions.RayActorError as e:
                     res = (0.0, f"reward worker crashed: {type(e).__name__}")
@@ -87,7 +94,7 @@ def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
     rewards, errors = score_table(spec, df)
     df = df.copy()
     df["reward"] = rewards
-    df["reward_error"] = errors
+    df["reward_error"] = pd.Series(errors, index=df.index, dtype=object)  # None, not NaN (pandas 3 infers str)
     return df
 
 
@@ -116,11 +123,10 @@ def _refill_sources(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef | None, d
     if not is_local_execution():
         raise ValueError("dynamic sampling (algorithm.filter_groups) at iteration 1 needs the workflow to pass "
                          "policy= and dataset= to the score task")
-    from tasks.workers import GenerationWorker
+    from tasks.workers import GenerationWorker, generation_worker_kwargs
 
     workers = actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id,
-                         {"threads": cfg.run.torch_threads, "micro_batch": cfg.rollout.micro_batch},
-                         actor_options("rollout", True))
+                         generation_worker_kwargs(cfg), actor_options("rollout", True))
     return workers, train
 
 
@@ -152,11 +158,25 @@ def _sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version:
     return encode_nested(pd.DataFrame(rows))
 
 
+def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int) -> pd.DataFrame:
+    """Candidate prompts for a refill of `iteration` after `round_` generation rounds (1 = the
+    rollout's only, so the first refill): a fresh draw mixed by
+    `data.domain_weights` (per-domain quotas, as the rollout draws its batch) when weights are set,
+    else a slice of a per-round reshuffle of the train split. The caller drops prompts already used
+    this iteration, so the kept mix can differ from the weights by those."""
+    if cfg.data.domain_weights:  # the rollout's own draw is seed * 1_000_003 + iteration
+        from engines.datasets import mix_domains, split_by_domain
+
+        return mix_domains(split_by_domain(train), dict(cfg.data.domain_weights), n,
+                           seed=cfg.run.seed * 1_000_003 + iteration + 7919 * round_).reset_index(drop=True)
+    from tasks.rollout import iteration_prompts
+
+    return iteration_prompts(train, n, iteration, cfg.run.seed + 7919 * round_)
+
+
 def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: PolicyRef | None,
                      dataset: DatasetRef | None) -> tuple[pd.DataFrame, dict[str, float]]:
     """Keep informative groups of the scored `df`, refilling with new prompts (see module doc)."""
-    from tasks.rollout import iteration_prompts
-
     cfg = config_of(spec)
     want, rounds, max_rounds = cfg.rollout.prompts_per_iteration, 1, cfg.algorithm.max_generation_rounds
     seen = df["group_id"].nunique()
@@ -166,7 +186,7 @@ def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: Po
         workers, train = _refill_sources(spec, df, policy, dataset)
         used = set(df["prompt_id"])
         while kept < want and rounds < max_rounds:
-            prompts = iteration_prompts(train, want, iteration, cfg.run.seed + 7919 * rounds)
+            prompts = refill_prompts(cfg, train, want, iteration, rounds)
             prompts = prompts[~prompts["prompt_id"].isin(used)].drop_duplicates("prompt_id")
             used |= set(prompts["prompt_id"])
             rounds += 1
@@ -198,13 +218,14 @@ def score(spec: RunSpec, batch: pd.DataFrame, iteration: int, policy: typing.Opt
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
         df = _scored(spec, batch)
-        rewards, errors = df["reward"].tolist(), df["reward_error"].tolist()
+        rewards = df["reward"].tolist()
         metrics["reward/mean"] = float(np.mean(rewards))
-        metrics["reward/errors"] = float(sum(e is not None for e in errors))
+        metrics["reward/errors"] = float(df["reward_error"].notna().sum())
         metrics["reward/accuracy"] = float(np.mean([r >= 1.0 for r in rewards]))
         for domain, grp in df.groupby("domain"):
             metrics[f"reward/{domain}/mean"] = float(grp["reward"].mean())
             metrics[f"reward/{domain}/accuracy"] = float((grp["reward"] >= 1.0).mean())
+            metrics[f"reward/{domain}/errors"] = float(grp["reward_error"].notna().sum())  # e.g. judge failures
             metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
         solved = df.groupby("group_id")["reward"].agg(["min", "max"])
         metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())

@@ -1,6 +1,11 @@
 """Training: one actor update (advantages -> policy loss + KL) in the training actor, and a critic
 update for PPO with GAE; writes the new checkpoint (weights + tokenizer + optimizer and objective
-state, the critic under critic/) and the stage metrics, not the table."""
+state, the critic under critic/) and the stage metrics, not the table.
+
+With `training.strategy` other than torch, `training.num_workers` TrainWorker actors in the task's
+Ray cluster form one torch.distributed group (rank 0's actor gives the rendezvous address); each gets
+the whole table (one object in the Ray store) and trains on its shard of every mini-batch; rank 0
+returns the checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from infra.ray_session import actor_pool, is_local_execution
-from infra.resources import actor_options, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
@@ -23,6 +28,17 @@ def policy_key(spec: RunSpec, version: int) -> str:
     return f"runs/{spec.run_id}/policy/v{version:04d}"
 
 
+def train_workers(cfg, run_id: str) -> list:
+    """The run's TrainWorker actors; with a distributed strategy, joined into one process group."""
+    t = cfg.training
+    workers = actor_pool(TrainWorker, "training", t.num_workers, run_id, {"threads": cfg.run.torch_threads},
+                         actor_options_for(cfg, "actor_train", is_local_execution()))
+    if t.strategy != "torch":
+        address = ray.get(workers[0].rendezvous.remote())
+        ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])
+    return workers
+
+
 @task(task_config=ray_job("training"), **task_resources("training"))
 def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int) -> FlyteDirectory:
     """Returns the new checkpoint directory (published by weight_sync)."""
@@ -30,16 +46,17 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int)
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "training", iteration, metrics):
-        (worker,) = actor_pool(TrainWorker, "training", 1, spec.run_id, {"threads": cfg.run.torch_threads},
-                               actor_options("training", is_local_execution()))
+        workers = train_workers(cfg, spec.run_id)
         tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
-        ray.get(worker.load.remote(spec, policy.key, tcfg, acfg))
+        ray.get([w.load.remote(spec, policy.key, tcfg, acfg) for w in workers])
         train_actor = acfg["advantage"] != "gae" or iteration > acfg["critic_warmup_iterations"]
-        step_metrics, files = ray.get(
-            worker.step.remote(batch, acfg, tcfg, cfg.rollout.temperature or 1.0,
-                               cfg.run.seed * 7919 + iteration, policy_key(spec, iteration), train_actor)
+        table = batch if len(workers) == 1 else ray.put(batch)  # every rank reads the one stored copy
+        (step_metrics, files), *_ = ray.get(
+            [w.step.remote(table, acfg, tcfg, cfg.rollout.temperature or 1.0, cfg.run.seed * 7919 + iteration,
+                           policy_key(spec, iteration), train_actor) for w in workers]
         )
         metrics.update(step_metrics)
+        metrics["training/workers"] = float(len(workers))
         out = tempfile.mkdtemp(prefix=f"flyroll-ckpt-{iteration:04d}-")
         for rel, data in files.items():
             path = os.path.join(out, rel)

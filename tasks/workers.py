@@ -19,33 +19,62 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def generation_worker_kwargs(cfg) -> dict:
+    """GenerationWorker's constructor arguments from a FlyrollConfig (the same for every task that
+    creates the run's generation actors)."""
+    r = cfg.rollout
+    return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine,
+            "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed} if r.engine == "vllm" else {}}
+
+
 @ray.remote
 class GenerationWorker:
-    """A generation engine (`hf`) for rollouts and evaluation."""
+    """A generation engine (config `rollout.engine`: `hf` or `vllm`) for rollouts and evaluation.
 
-    def __init__(self, threads: int = 1, micro_batch: int = 256):
+    vLLM runs its engine core inside this actor (VLLM_ENABLE_V1_MULTIPROCESSING=0: no process outside
+    Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
+
+    def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None):
         _threads(threads)
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
+        self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
 
     def load(self, spec, key: str) -> str:
         """Make `key` the served policy: first load, or an in-place weight update."""
         if self.key == key:
             return "cached"
-        from engines.generation import HFGenerationEngine
-        from engines.modeling import load_policy
         from tasks.common import fetch_cached
 
         model_dir = fetch_cached(spec, key)
 
         if self.engine is None:
-            model, self.tokenizer = load_policy(model_dir)
-            self.engine = HFGenerationEngine(model, self.tokenizer, micro_batch=self.micro_batch)
+            self.engine, self.tokenizer = self._build(model_dir)
             how = "loaded"
         else:
-            self.engine.load_weights(model_dir)
+            self.engine.load_weights(model_dir)  # vLLM: reload_weights + prefix-cache reset
             how = "updated in place"
         self.key = key
         return how
+
+    def _build(self, model_dir: str):
+        if self.engine_name == "vllm":
+            from engines.modeling import load_tokenizer
+            from engines.vllm_engine import VLLMGenerationEngine
+
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            tokenizer = load_tokenizer(model_dir)
+            return VLLMGenerationEngine(model_dir, tokenizer=tokenizer, **self.vllm_options), tokenizer
+        from engines.generation import HFGenerationEngine
+        from engines.modeling import load_policy
+
+        model, tokenizer = load_policy(model_dir)
+        return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch), tokenizer
+
+    def sleep(self) -> None:
+        """Free the engine's memory until its next call, between rollouts (vLLM on GPU: weights
+        offloaded, KV cache dropped; a no-op for `hf` and for vLLM on CPU)."""
+        if hasattr(self.engine, "sleep"):
+            self.engine.sleep()
 
     def encode(self, prompts: list[str], chat: bool) -> list[list[int]]:
         from engines.evaluation import encode_prompts
@@ -55,12 +84,13 @@ class GenerationWorker:
     def generate(self, prompt_token_ids: list[list[int]], params):
         return self.engine.generate(prompt_token_ids, params)
 
-    def episodes(self, env_name: str, seeds: list[int], group_size: int, max_turns: int, max_context_tokens: int, params, env_kwargs: dict):
+    def episodes(self, env_name: str, seeds: list[int], group_size: int, max_turns: int, max_context_tokens: int, params, env_kwargs: dict,
+                 chat: bool = False):
         """Multi-turn episodes with this engine (engines/env_manager.py), one batched generate per turn."""
         from engines.env_manager import run_episodes
 
         return run_episodes(self.engine, self.tokenizer, env_name, seeds, group_size=group_size, max_turns=max_turns,
-                            max_context_tokens=max_context_tokens, sampling=params, env_kwargs=env_kwargs)
+                            max_context_tokens=max_context_tokens, sampling=params, env_kwargs=env_kwargs, chat=chat)
 
     def evaluate(self, table, max_new_tokens: int, chat: bool):
         from engines.evaluation import evaluate
@@ -70,28 +100,52 @@ class GenerationWorker:
 
 @ray.remote
 class RewardWorker:
-    """Scores samples with the domain's reward function, each call isolated (timeout, exceptions)."""
+    """Scores samples with the domain's reward function, each call isolated (timeout, exceptions).
+    Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model
+    this actor builds once, on first use, and keeps (engines/rewards/models.py)."""
 
     def __init__(self, threads: int = 4):
+        from engines.rewards.models import ModelRewards
+
         self.pool = cf.ThreadPoolExecutor(max_workers=threads)
+        self.model_rewards = ModelRewards(self.pool)
 
-    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, routes: dict[str, str] | None = None) -> tuple[list[tuple[float, str | None]], bool]:
+    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, routes: dict[str, str] | None = None,
+              models: dict[str, dict] | None = None) -> tuple[list[tuple[float, str | None]], bool]:
         """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck.
-        routes: domain -> reward function name (config `reward.functions`)."""
+        routes: domain -> reward function name (config `reward.functions`); models: model reward
+        name -> its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
         from engines.rewards import get_reward, score_isolated
+        from engines.rewards.models import MODEL_REWARDS
 
-        out, hung_any = [], False
-        for domain, response, sample in items:
+        out: list = [None] * len(items)
+        batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
+        hung_any = False
+        for i, (domain, response, sample) in enumerate(items):
             meta = sample.get("metadata") if isinstance(sample.get("metadata"), dict) else {}
+            name = (routes or {}).get(domain) or meta.get("reward_fn") or domain
+            if name in MODEL_REWARDS:
+                batched.setdefault(name, []).append(i)
+                continue
             try:
-                fn = get_reward((routes or {}).get(domain) or meta.get("reward_fn") or domain)
+                fn = get_reward(name)
             except KeyError as e:
-                out.append((0.0, str(e)))
+                out[i] = (0.0, str(e))
                 continue
             res, hung = score_isolated(fn, response, sample, timeout_s, self.pool)
             hung_any |= hung
-            out.append((res.reward, res.error))
+            out[i] = (res.reward, res.error)
+        for name, idx in batched.items():
+            results, hung = self.model_rewards.score(name, (models or {}).get(name), [items[i][1] for i in idx],
+                                                     [items[i][2] for i in idx])
+            hung_any |= hung
+            for i, res in zip(idx, results):
+                out[i] = res
         return out, hung_any
+
+    def model_stats(self) -> dict[str, dict[str, int]]:
+        """Per model reward: builds (model loads), calls (batched calls) and samples scored so far."""
+        return self.model_rewards.stats
 
 
 @ray.remote
@@ -144,12 +198,35 @@ class ReferenceWorker:
 class TrainWorker:
     """The actor's training engine (model + optimizer state), the critic's for PPO with GAE, and the
     objective's state across iterations (KL controller, EMA baseline, running reward statistics);
-    one update per call. All of it is saved in the checkpoint and restored from it."""
+    one update per call. All of it is saved in the checkpoint and restored from it.
+
+    With `training.strategy` other than torch, N of these form one torch.distributed group
+    (`rendezvous` on rank 0, then `join_group` on all) and every call below is made on all N with
+    the same arguments: each trains on its shard of every mini-batch, rank 0 returns the checkpoint."""
 
     def __init__(self, threads: int = 1):
         _threads(threads)
         self.key, self.model, self.tokenizer, self.engine = None, None, None, None
         self.critic_engine, self.algo_state = None, None
+        self.rank, self.world_size, self.address = 0, 1, None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) for the process group's store, on rank 0's node (the one it already has)."""
+        if self.address is None:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("", 0))
+                self.address = (ray.util.get_node_ip_address(), s.getsockname()[1])
+        return self.address
+
+    def join_group(self, rank: int, world_size: int, address: tuple[str, int]) -> str:
+        """Join the training process group (once per actor); returns the backend (gloo / nccl)."""
+        from engines.strategies import init_distributed
+
+        backend = init_distributed(rank, world_size, address[0], address[1])
+        self.rank, self.world_size, self.address = rank, world_size, address
+        return backend
 
     def load(self, spec, key: str, training_cfg: dict, algorithm_cfg: dict | None = None) -> str:
         if self.key == key:
@@ -158,14 +235,16 @@ class TrainWorker:
 
         from engines.modeling import load_policy
         from engines.rl_step import AlgorithmState
+        from engines.strategies import make_strategy
         from engines.training import TorchCriticEngine, TorchTrainEngine
         from tasks.common import fetch_cached
 
         model_dir = fetch_cached(spec, key)
         self.model, self.tokenizer = load_policy(model_dir)
+        strategy = training_cfg.get("strategy", "torch")
         opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
                    warmup_steps=training_cfg["warmup_steps"])
-        self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], **opt)
+        self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy), **opt)
         path = os.path.join(model_dir, "trainer_state.pt")
         state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
         if state:  # resume optimizer moments and LR schedule
@@ -175,7 +254,8 @@ class TrainWorker:
         if (algorithm_cfg or {}).get("advantage") == "gae":
             from engines.critic_model import critic_for_checkpoint
 
-            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir), lr=algorithm_cfg["critic_lr"], **opt)
+            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir), lr=algorithm_cfg["critic_lr"],
+                                                   strategy=make_strategy(strategy), **opt)
             if "critic" in state:
                 self.critic_engine.load_state_dict(state["critic"])
         self.key = key
@@ -184,7 +264,8 @@ class TrainWorker:
     def step(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int, next_key: str,
              train_actor: bool = True) -> tuple[dict, dict[str, bytes]]:
         """One update (critic, then actor unless `train_actor` is False: critic warmup) on a scored
-        table; returns (metrics, checkpoint files as bytes, the critic under critic/)."""
+        table; returns (metrics, checkpoint files as bytes, the critic under critic/). Under a
+        multi-process strategy every rank returns the same metrics and only rank 0 the files."""
         import tempfile
 
         import torch
@@ -211,13 +292,20 @@ class TrainWorker:
             metrics.update(self.engine.train_step(batch, update.advantages, old, ref, cfg, temperature=temperature,
                                                   rollout_logprobs=behaviour, kl_coef=update.kl_coef, **sizes))
         self.algo_state = update.state
+        self.key = next_key  # what weight_sync will publish these weights as
+        # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
         trainer_state = {**self.engine.state_dict(), "algorithm": update.state.to_dict()}
+        weights = self.engine.strategy.full_state_dict()
+        critic_weights = None
         if self.critic_engine is not None:
             trainer_state["critic"] = self.critic_engine.state_dict()
+            critic_weights = self.critic_engine.strategy.full_state_dict()
+        if self.rank != 0:
+            return metrics, {}
         with tempfile.TemporaryDirectory() as d:
-            save_policy(self.model, self.tokenizer, d)
+            save_policy(self.model, self.tokenizer, d, state_dict=weights)
             if self.critic_engine is not None:
-                save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR))
+                save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
             torch.save(trainer_state, os.path.join(d, "trainer_state.pt"))
             files = {}
             for root, _, names in os.walk(d):
@@ -225,5 +313,4 @@ class TrainWorker:
                     p = os.path.join(root, n)
                     with open(p, "rb") as f:
                         files[os.path.relpath(p, d)] = f.read()
-        self.key = next_key  # what weight_sync will publish these weights as
         return metrics, files

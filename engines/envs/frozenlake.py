@@ -10,7 +10,10 @@ state can be copied and searched; ``tests/test_envs.py`` checks them against gym
 neighbours, 1/3 each) with the episode's own ``random.Random(seed)``, not gymnasium's generator.
 
 Text (tiny-tokenizer characters only): ``.`` ice, ``o`` hole, ``g`` goal, ``p`` the player; an
-action is one word ``left down right up`` (or ``l d r u``) on its own line.
+action is one word ``left down right up`` (or ``l d r u``) on its own line. With
+``neighbours=True`` each rendering ends with one more line naming the four tiles next to the player,
+``around: left=ice down=hole right=goal up=edge`` — the grid made local, which a small policy reads
+far more easily than a 2-D picture (the presets turn it on; it changes nothing in the rules).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ class FrozenLake:
     instructions = "frozenlake: walk p to g, avoid holes o. moves: left down right up.\n"
 
     def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = False,
-                 invalid_penalty: float = INVALID_PENALTY, goal_reward: float = 1.0):
+                 invalid_penalty: float = INVALID_PENALTY, goal_reward: float = 1.0, neighbours: bool = False):
         if size < 2:
             raise ValueError(f"frozenlake size must be >= 2, got {size}")
         self.size, self.p, self.is_slippery = size, p, is_slippery
         self.invalid_penalty, self.goal_reward = invalid_penalty, goal_reward
+        self.neighbours = neighbours
         self.desc: list[str] = []
         self.pos = (0, 0)
         self.done = False
@@ -99,4 +103,13 @@ class FrozenLake:
             if r == self.pos[0]:
                 chars[self.pos[1]] = "p"
             rows.append("".join(chars))
-        return "\n".join(rows) + "\n"
+        text = "\n".join(rows) + "\n"
+        if self.neighbours:
+            text += "around: " + " ".join(f"{m}={self._neighbour(m)}" for m in MOVES) + "\n"
+        return text
+
+    def _neighbour(self, move: str) -> str:
+        new = self._move(self.pos, move)
+        if new == self.pos:
+            return "edge"
+        return {"H": "hole", "G": "goal"}.get(self.desc[new[0]][new[1]], "ice")

@@ -3,6 +3,9 @@
 A reward function is a plain typed function `fn(response: str, sample: dict) -> float`. Domains
 map to functions by name in `REWARDS`; add one with `@register_reward("name")` in one file.
 
+Two names route to a model instead of a function: `judge` and `reward_model`. The reward worker
+scores those in batches with a model it builds once (`engines/rewards/models.py`).
+
 `score_isolated` runs one call with a timeout: a raise or a timeout costs only that sample
 (reward 0.0, the error kept in `reward_error`). A call that hangs leaves its thread behind, so the
 caller (the reward-worker actor) reports `tainted=True` and is replaced after its batch; a call
@@ -48,6 +51,9 @@ _LAZY = {
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as `name`, or `name` = "package.module:function" imported."""
+    if name in ("judge", "reward_model"):
+        raise KeyError(f"{name!r} is a model reward, not a per-sample function: the reward workers score it in "
+                       f"batches with the model set in reward.{name} (engines/rewards/models.py)")
     if name not in REWARDS and (name in _LAZY or ":" in name):
         module, fn = _LAZY.get(name, name).split(":", 1)
         try:

@@ -23,16 +23,18 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 
-def _local_dir(model_dir: str, storage_options: dict | None) -> str:
+def local_model_dir(model_dir: str, storage_options: dict | None = None) -> str:
+    """`model_dir` itself when it is a local folder; an fsspec URL (`s3://...`) is copied to a new
+    local temporary folder (credentials and endpoint from `storage_options` or the usual env vars)."""
     if os.path.isdir(model_dir):
         return model_dir
     if "://" not in model_dir:
-        raise FileNotFoundError(f"reward model directory {model_dir!r} does not exist (expected a Hugging Face model dir)")
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist (expected a Hugging Face model dir)")
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(model_dir, **(storage_options or {}))
     if not fs.isdir(path):
-        raise FileNotFoundError(f"reward model directory {model_dir!r} does not exist in object storage")
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist in object storage")
     local = tempfile.mkdtemp(prefix="flyroll-rm-")
     fs.get(path.rstrip("/") + "/", local, recursive=True)
     return local
@@ -62,7 +64,7 @@ class RewardModelScorer:
             raise ValueError(f"RewardModelScorer: normalize={normalize!r}, expected 'none', 'sigmoid' or 'affine'")
         if normalize == "affine" and scale == 0:
             raise ValueError("RewardModelScorer: scale=0 with normalize='affine'")
-        path = _local_dir(model_dir, storage_options)
+        path = local_model_dir(model_dir, storage_options)
         self.tokenizer = _load_tokenizer(path)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:

@@ -1,0 +1,116 @@
+"""flyroll's side of `flyroll bench`: GRPO steps at engine level (no Flyte/Ray/MLflow), served one
+at a time so the benchmark can alternate them with TRL's.
+
+  python benchmarks/flyroll_grpo_step.py SPEC.json      # from the repository root (PYTHONPATH=.)
+
+SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
+[{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb.
+
+One step = rollout (len(problems) x samples completions, temperature 1, per-token log-probs)
++ scoring (exact-match reward, rollout table, GRPO advantages, collation) + training (one AdamW
+update, token-mean, no KL: the behaviour log-probs are the old log-probs, as TRL with beta=0 and
+one iteration) + weight sync (save the policy, `engine.load_weights`).
+
+Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
+  -> READY {json}      after loading and one warm-up step
+  <- STEP <i>          run timed step i (sampling seed 2001+i)
+  -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens
+  <- EXIT              close the engine and exit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def build(spec: dict):
+    """A `step(seed) -> dict` closure over the loaded policy, engine and trainer; and a closer."""
+    import pandas as pd
+    import torch
+
+    from configs.algorithm import AlgorithmConfig
+    from engines.evaluation import encode_prompts
+    from engines.generation import HFGenerationEngine, SamplingParams
+    from engines.modeling import load_policy, save_policy
+    from engines.rl_step import prepare_update, table_to_batch
+    from engines.synthetic import exact_match_reward
+    from engines.training import TorchTrainEngine
+
+    torch.set_num_threads(spec["threads"])
+    model_dir, problems = spec["model_dir"], spec["problems"]
+    policy, tok = load_policy(model_dir)
+    if spec["engine"] == "hf":
+        rollout_model, _ = load_policy(model_dir)
+        engine = HFGenerationEngine(rollout_model, tok, micro_batch=len(problems))
+    else:
+        from engines.vllm_engine import VLLMGenerationEngine
+
+        engine = VLLMGenerationEngine(model_dir, max_model_len=None, kv_cache_gb=spec["kv_cache_gb"], seed=0,
+                                      cpu_bind="0" if spec["threads"] == 1 else f"0-{spec['threads'] - 1}")
+    if spec["chat"]:  # the chat template as text, then plain encoding (as TRL does for conversational prompts)
+        ids = [tok(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for p in problems]
+    else:
+        ids = encode_prompts(tok, [p["prompt"] for p in problems], False)
+    params = SamplingParams(n=spec["samples"], temperature=1.0, max_new_tokens=spec["max_new"])
+    cfg = AlgorithmConfig(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
+    trainer = TorchTrainEngine(policy, lr=spec["lr"])
+    sync_dir = tempfile.mkdtemp(prefix=f"bench-sync-{spec['engine']}-")
+
+    def step(seed: int) -> dict:
+        t0 = time.perf_counter()
+        out = engine.generate(ids, dataclasses.replace(params, seed=seed))
+        t1 = time.perf_counter()
+        df = pd.DataFrame({
+            "prompt_token_ids": [ids[c.prompt_index] for c in out],
+            "response_token_ids": [c.token_ids for c in out],
+            "reward": [exact_match_reward(c.text, problems[c.prompt_index]) for c in out],
+            "group_id": [c.prompt_index for c in out],
+            "finish_reason": [c.finish_reason for c in out],
+        })
+        batch = table_to_batch(df, tok.pad_token_id)
+        upd = prepare_update(df, batch, cfg)
+        old = torch.zeros_like(batch.response_mask)                 # [B*G, T]
+        for row, c in enumerate(out):
+            old[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+        t2 = time.perf_counter()
+        trainer.train_step(batch, upd.advantages, old, None, cfg, mini_batch_size=len(df),
+                           max_tokens_per_micro_batch=spec["micro_tokens"])
+        t3 = time.perf_counter()
+        save_policy(policy, tok, sync_dir)
+        engine.load_weights(sync_dir)
+        t4 = time.perf_counter()
+        return {"s": t4 - t0, "gen_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "sync_s": t4 - t3,
+                "samples": len(out), "tokens": sum(len(c.token_ids) for c in out)}
+
+    return step, getattr(engine, "close", lambda: None)
+
+
+def main(spec_path: str) -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel; fd 1 itself now goes to stderr
+    os.dup2(2, 1)
+    spec = json.load(open(spec_path))
+    try:
+        t0 = time.perf_counter()
+        step, close = build(spec)
+        warm = step(seed=2000)
+        proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t0, "warmup": warm}) + "\n")
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "EXIT":
+                break
+            proto.write("RESULT " + json.dumps(step(seed=2001 + int(cmd[1]))) + "\n")
+        close()
+    except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail
+        proto.write("ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        raise
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(sys.argv[1])

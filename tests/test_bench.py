@@ -1,0 +1,117 @@
+"""`flyroll bench` and benchmarks/gpu_mfu.py: the CLI answers, the arithmetic of the tables (hand-worked
+values), and the GPU script's CPU smoke run. No timing is asserted (speed lives in benchmarks/)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from infra.bench import parse_args, ratio, summarise, with_ratios
+from infra.bench_pipeline import iteration_breakdown, mean_breakdown
+
+
+def test_bench_help_lists_the_options():
+    r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline"):
+        assert opt in r.stdout
+    top = subprocess.run([sys.executable, "-m", "infra.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert "bench" in top.stdout
+
+
+def test_bad_options_are_named():
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--models", "tiny,gpt5"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--engines", "sglang"])
+    args = parse_args(["--models", "tiny", "--engines", "hf", "--batches", "2"])
+    assert (args.models, args.engines, args.batches, args.threads, args.max_new) == ("tiny", "hf", 2, 2, 32)
+
+
+def test_summarise_is_totals_over_time_not_a_mean_of_rates():
+    steps = [{"s": 2.0, "samples": 64, "tokens": 640, "gen_s": 1.0, "score_s": 0.1, "train_s": 0.8, "sync_s": 0.1},
+             {"s": 6.0, "samples": 64, "tokens": 960, "gen_s": 5.0, "score_s": 0.1, "train_s": 0.8, "sync_s": 0.1}]
+    s = summarise(steps)
+    # 128 samples / 8 s = 16 /s (the mean of 32 and 10.67 would be 21.3); 1600 tokens / 8 s = 200 /s
+    assert s["samples_per_s"] == pytest.approx(16.0)
+    assert s["tokens_per_s"] == pytest.approx(200.0)
+    assert s["step_s"] == pytest.approx(4.0) and s["median_step_s"] == pytest.approx(4.0)  # (2 + 6) / 2
+    assert s["gen_s"] == pytest.approx(3.0)
+    assert s["mean_response_tokens"] == pytest.approx(12.5)
+    assert "gen_s" not in summarise([{"s": 1.0, "samples": 8, "tokens": 8}])  # TRL reports no parts
+
+
+def test_ratios_are_against_trl_of_the_same_model_and_pair():
+    trl = "TRL 1.16 GRPOTrainer"
+    rows = [{"model": "tiny", "pair": "flyroll hf", "system": "flyroll hf", "samples_per_s": 30.0, "tokens_per_s": 300.0},
+            {"model": "tiny", "pair": "flyroll hf", "system": trl, "samples_per_s": 10.0, "tokens_per_s": 150.0},
+            {"model": "tiny", "pair": "flyroll vllm", "system": "flyroll vllm", "samples_per_s": 60.0, "tokens_per_s": 600.0},
+            {"model": "tiny", "pair": "flyroll vllm", "system": trl, "samples_per_s": 12.0, "tokens_per_s": 200.0},
+            {"model": "smollm2", "pair": "flyroll hf", "system": "flyroll hf", "samples_per_s": 5.0, "tokens_per_s": 50.0},
+            {"model": "smollm2", "pair": "flyroll hf", "system": trl, "error": "TRL process exited 1"}]
+    out = with_ratios(rows)
+    assert out[0]["samples_ratio"] == pytest.approx(3.0) and out[0]["tokens_ratio"] == pytest.approx(2.0)
+    assert out[1]["samples_ratio"] == pytest.approx(1.0)
+    assert out[2]["samples_ratio"] == pytest.approx(5.0) and out[2]["tokens_ratio"] == pytest.approx(3.0)  # its own TRL steps
+    assert out[4]["samples_ratio"] is None  # TRL failed for this model: no ratio, not a crash
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
+
+
+def _points():
+    # stage -> {iteration: (timestamp at the stage's end, seconds)}; evaluation at 0 starts iteration 1,
+    # evaluation after iteration 2 (ends at 125) starts iteration 3
+    return {
+        "evaluation": {0: (100.0, 5.0), 2: (125.0, 3.0)},
+        "rollout": {1: (104.0, 3.0), 2: (114.0, 3.0), 3: (129.0, 2.0)},
+        "scoring": {1: (105.0, 0.5), 2: (115.0, 0.5), 3: (130.0, 0.5)},
+        "reference": {1: (107.0, 1.5), 2: (117.0, 1.5), 3: (132.0, 1.0)},
+        "training": {1: (109.0, 2.0), 2: (120.0, 2.0), 3: (134.0, 1.5)},
+        "weight_sync": {1: (110.0, 0.5), 2: (121.0, 0.5), 3: (135.0, 0.5)},
+    }
+
+
+def test_iteration_wall_and_orchestration_from_stage_end_times():
+    its = iteration_breakdown(_points())
+    assert [it["iteration"] for it in its] == [1, 2, 3]
+    # iteration 1: 110 - 100 = 10 s wall; stages 3 + 0.5 + 1.5 + 2 + 0.5 = 7.5 s -> orchestration 2.5 s
+    assert its[0]["wall_s"] == pytest.approx(10.0) and its[0]["orchestration_s"] == pytest.approx(2.5)
+    # iteration 2: 121 - 110 = 11 s; stages 7.5 s -> 3.5 s
+    assert its[1]["wall_s"] == pytest.approx(11.0) and its[1]["orchestration_s"] == pytest.approx(3.5)
+    # iteration 3 starts after the evaluation (125), not after weight sync 2 (121): 135 - 125 = 10 s;
+    # stages 2 + 0.5 + 1 + 1.5 + 0.5 = 5.5 s -> 4.5 s
+    assert its[2]["wall_s"] == pytest.approx(10.0) and its[2]["orchestration_s"] == pytest.approx(4.5)
+
+
+def test_incomplete_iterations_are_skipped():
+    pts = _points()
+    del pts["training"][2]
+    pts["evaluation"] = {}  # no start for iteration 1
+    assert [it["iteration"] for it in iteration_breakdown(pts)] == [3]
+
+
+def test_mean_breakdown_shares_sum_to_one():
+    its = iteration_breakdown(_points())[1:]
+    m = mean_breakdown(its, samples=64)
+    # mean wall (11 + 10) / 2 = 10.5 s; orchestration (3.5 + 4.5) / 2 = 4 s -> 38.1%; 64 / 10.5 = 6.1 samples/s
+    assert m["wall_s"] == pytest.approx(10.5)
+    assert m["orchestration_share"] == pytest.approx(4.0 / 10.5)
+    assert m["samples_per_s"] == pytest.approx(64 / 10.5)
+    shares = [v for k, v in m.items() if k.endswith("_share")]
+    assert len(shares) == 6 and sum(shares) == pytest.approx(1.0)
+
+
+def test_gpu_mfu_smoke_runs_on_cpu(capsys):
+    import torch
+
+    from benchmarks import gpu_mfu
+
+    torch.set_num_threads(1)
+    assert gpu_mfu.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "train: flyroll GRPO step" in out and "generate: HF engine" in out
+    if not torch.cuda.is_available():
+        assert gpu_mfu.main([]) == 2  # the full run needs CUDA and says so
+        assert "needs a CUDA GPU" in capsys.readouterr().err
