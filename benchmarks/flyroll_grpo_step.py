@@ -12,7 +12,8 @@ update, token-mean, no KL: the behaviour log-probs are the old log-probs, as TRL
 one iteration) + weight sync (save the policy, `engine.load_weights`).
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
-  -> READY {json}      after loading and one warm-up step
+  -> READY {json}      after loading and one warm-up step (after each step, freed heap memory is
+                       returned to the OS: an idle worker holds only its model and optimizer)
   <- STEP <i>          run timed step i (sampling seed 2001+i)
   -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens
   <- EXIT              close the engine and exit
@@ -91,6 +92,17 @@ def build(spec: dict):
     return step, getattr(engine, "close", lambda: None)
 
 
+def release_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps a step's peak otherwise), so an idle worker
+    holds only its model and optimizer while the other system runs. Outside the timed step."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(spec_path: str) -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel; fd 1 itself now goes to stderr
     os.dup2(2, 1)
@@ -99,12 +111,15 @@ def main(spec_path: str) -> None:
         t0 = time.perf_counter()
         step, close = build(spec)
         warm = step(seed=2000)
+        release_memory()
         proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t0, "warmup": warm}) + "\n")
         for line in sys.stdin:
             cmd = line.split()
             if not cmd or cmd[0] == "EXIT":
                 break
-            proto.write("RESULT " + json.dumps(step(seed=2001 + int(cmd[1]))) + "\n")
+            result = step(seed=2001 + int(cmd[1]))
+            release_memory()
+            proto.write("RESULT " + json.dumps(result) + "\n")
         close()
     except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail
         proto.write("ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")

@@ -10,7 +10,8 @@ with transformers (temperature 1), the exact-match reward, beta=0 (no reference 
 optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.
 
 Protocol (as benchmarks/flyroll_grpo_step.py; stdout carries only these lines):
-  -> READY {json}      after loading and the warm-up step
+  -> READY {json}      after loading and the warm-up step (after each step, freed heap memory is
+                       returned to the OS, as flyroll's worker does)
   <- STEP <i>          run the next step (the trainer waits for it in on_step_begin)
   -> RESULT {json}     s, samples, tokens (completion tokens counted in the reward function)
   <- EXIT              stop
@@ -23,6 +24,17 @@ import os
 import sys
 import tempfile
 import time
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the OS (glibc keeps a step's peak otherwise), so an idle worker
+    holds only its model and optimizer while the other system runs. Outside the timed step."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(spec_path: str) -> None:
@@ -69,6 +81,7 @@ def main(spec_path: str) -> None:
 
         def on_step_end(self, args, state, control, **kw):
             r = {"s": time.perf_counter() - self.t0, "samples": B * G, "tokens": step_tokens[0]}
+            release_memory()
             if state.global_step == 1:
                 proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t_start, "warmup": r}) + "\n")
             else:

@@ -192,14 +192,14 @@ class Worker:
         self.proc.stdin.flush()
         return self.read("RESULT")
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 120) -> None:
         try:
             self.proc.stdin.write("EXIT\n")
             self.proc.stdin.close()
         except (BrokenPipeError, ValueError):
             pass
         try:
-            self.proc.wait(timeout=120)
+            self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
         try:
@@ -216,7 +216,7 @@ def compare_model(name: str, systems: list[tuple[str, list[str]]], spec: dict, a
     threads = str(args.threads)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    workers, rows, steps = [], {}, {}
+    workers, rows, steps, done = [], {}, {}, False
     try:
         for system, argv in systems:
             tag = f"{name}-{systems[0][0].split()[-1]}-{len(steps) + len(rows)}"
@@ -251,9 +251,10 @@ def compare_model(name: str, systems: list[tuple[str, list[str]]], spec: dict, a
                 steps[w.system].append(r)
                 print(f"[{name}] step {i + 1}/{args.batches} {w.system:<22} {r['s']:7.2f} s  "
                       f"{r['samples'] / r['s']:7.1f} samples/s", flush=True)
+        done = True
     finally:
         for w in workers:
-            w.close()
+            w.close(grace_s=120 if done else 5)
     out = []
     for system, _ in systems:
         r = rows.get(system) or (summarise(steps[system]) | {"per_step": steps[system]} if steps.get(system) else {"error": "not run"})
@@ -317,6 +318,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def cli_main(argv: list[str]) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the workers are closed
     if not (BENCH_DIR / "flyroll_grpo_step.py").exists():
         print(f"flyroll bench runs from a source checkout: {BENCH_DIR} is missing", file=sys.stderr)
         return 2

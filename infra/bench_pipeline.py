@@ -131,7 +131,7 @@ def print_pipeline(results: list[dict], comparison: list[dict]) -> None:
     trl = {r["model"]: r.get("samples_per_s") for r in comparison if r["system"] == TRL_SYSTEM}
     t = Table(title="Flyte pipeline (pyflyte run workflows/rlvr.py rlvr): mean seconds per iteration (share of the "
                     "iteration), iterations 2.. (1 includes actor start and first loads)")
-    for col in ("model", "engine", "iter s", "samples/s", "vs TRL", *STAGES, "orchestration"):
+    for col in ("model", "engine", "iter s", "samples/s", "vs TRL*", *STAGES, "orchestration"):
         t.add_column(col, justify="left" if col in ("model", "engine") else "right")
     for r in results:
         m = r.get("mean")
@@ -142,6 +142,8 @@ def print_pipeline(results: list[dict], comparison: list[dict]) -> None:
         t.add_row(r["model"], r["engine"], f"{m['wall_s']:.2f}", fmt(m["samples_per_s"], ".2f"),
                   fmt(ratio(m["samples_per_s"], trl.get(r["model"])), ".2f", "x"), *cells)
     Console(width=max(190, shutil.get_terminal_size().columns)).print(t)
+    print("* against TRL's steps earlier in this run: not alternated with the pipeline, and the pipeline does more "
+          "per iteration (reference forward, KL, evaluation-ready checkpoints)")
     for r in results:
         for it in r.get("per_iteration", []):
             print(f"  {r['model']} {r['engine']} iteration {it['iteration']}: wall {it['wall_s']:.2f} s, orchestration "
