@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -89,7 +90,11 @@ def build(spec: dict):
         return {"s": t4 - t0, "gen_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "sync_s": t4 - t3,
                 "samples": len(out), "tokens": sum(len(c.token_ids) for c in out)}
 
-    return step, getattr(engine, "close", lambda: None)
+    def close() -> None:
+        getattr(engine, "close", lambda: None)()
+        shutil.rmtree(sync_dir, ignore_errors=True)
+
+    return step, close
 
 
 def release_memory() -> None:

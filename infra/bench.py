@@ -225,18 +225,19 @@ def compare_model(name: str, systems: list[tuple[str, list[str]]], spec: dict, a
                 json.dump({**spec, "engine": system.split()[-1]}, f)
             wenv = {k: v for k, v in env.items() if k != "PYTHONPATH"} if system == TRL_SYSTEM else env
             w = Worker(system, argv + [spec_path], wenv, os.path.join(workdir, f"{tag}.log"))
+            workers.append(w)  # closed by the finally below, also when interrupted while loading
             print(f"[{name}] {system}: loading + warm-up step ...", flush=True)
             try:
                 ready = w.read("READY")
             except RuntimeError as e:
-                w.close()
+                workers.remove(w)
+                w.close(grace_s=5)
                 print(str(e), file=sys.stderr)
                 rows[system] = {"error": str(e).splitlines()[0]}
                 if not workers:  # flyroll's side failed: nothing to compare TRL with
                     break
                 continue
             print(f"[{name}] {system}: ready in {ready['load_and_warmup_s']:.1f} s", flush=True)
-            workers.append(w)
             steps[system] = []
         for i in range(args.batches):
             for w in list(workers):
@@ -304,6 +305,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--pipeline-models", default="tiny", help="models for --pipeline (comma list)")
     ap.add_argument("--pipeline-engines", default="hf", help="rollout engines for --pipeline (comma list)")
     ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
+    ap.add_argument("--keep-workdir", action="store_true",
+                    help="keep the temporary folder (models, worker logs, pipeline runs); kept anyway when something failed")
     args = ap.parse_args(argv)
     for name in args.models.split(",") + args.pipeline_models.split(","):
         if name not in ("tiny", "smollm2"):
@@ -380,4 +383,8 @@ def cli_main(argv: list[str]) -> int:
     if args.json:
         dump()
         print(f"wrote {args.json}")
+    if args.keep_workdir or any("error" in r for r in rows + pipeline):
+        print(f"kept {workdir} (models, worker logs, pipeline runs)")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)  # models and pipeline stores: GBs for SmolLM2
     return 0
