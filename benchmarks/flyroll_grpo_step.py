@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from worker_memory import release_memory  # benchmarks/worker_memory.py, next to this script
+
 
 def build(spec: dict):
     """A `step(seed) -> dict` closure over the loaded policy, engine and trainer; and a closer."""
@@ -95,17 +97,6 @@ def build(spec: dict):
         shutil.rmtree(sync_dir, ignore_errors=True)
 
     return step, close
-
-
-def release_memory() -> None:
-    """Give freed heap memory back to the OS (glibc keeps a step's peak otherwise), so an idle worker
-    holds only its model and optimizer while the other system runs. Outside the timed step."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def main(spec_path: str) -> None:

@@ -25,16 +25,7 @@ import sys
 import tempfile
 import time
 
-
-def release_memory() -> None:
-    """Give freed heap memory back to the OS (glibc keeps a step's peak otherwise), so an idle worker
-    holds only its model and optimizer while the other system runs. Outside the timed step."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+from worker_memory import release_memory  # benchmarks/worker_memory.py, next to this script
 
 
 def main(spec_path: str) -> None:
