@@ -28,6 +28,9 @@ def policy_key(spec: RunSpec, version: int) -> str:
     return f"runs/{spec.run_id}/policy/v{version:04d}"
 
 
+CHECKPOINT_SCRATCH_PREFIX = "flyroll-ckpt-"
+
+
 def train_workers(cfg, run_id: str) -> list:
     """The run's TrainWorker actors; with a distributed strategy, joined into one process group."""
     t = cfg.training
@@ -57,7 +60,7 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int)
         )
         metrics.update(step_metrics)
         metrics["training/workers"] = float(len(workers))
-        out = tempfile.mkdtemp(prefix=f"flyroll-ckpt-{iteration:04d}-")
+        out = tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}{iteration:04d}-")  # removed by publish_weights
         for rel, data in files.items():
             path = os.path.join(out, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)

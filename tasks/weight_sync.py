@@ -10,6 +10,10 @@ generation actors are told to update their weights in place right away (no engin
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import ray
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
@@ -18,7 +22,7 @@ from infra import tracking
 from infra.ray_session import is_local_execution
 from infra.resources import task_resources
 from tasks.common import execution_id, iteration_run, rollout_table_key, stage, store_of
-from tasks.training import policy_key
+from tasks.training import CHECKPOINT_SCRATCH_PREFIX, policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
@@ -54,4 +58,18 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
                 generation_pool(spec, PolicyRef(key=key, version=iteration))
             except ValueError:
                 pass
+    discard_scratch_checkpoint(checkpoint.path)
     return PolicyRef(key=key, version=iteration, model_version=version)
+
+
+def discard_scratch_checkpoint(path: str) -> None:
+    """Delete `train`'s local scratch copy once the store holds the published one.
+
+    A local Flyte run hands the FlyteDirectory over by path (no copy), so without this every
+    iteration would leave its checkpoint behind in the temp folder (1.6 GB for SmolLM2 with its
+    optimizer state). Only folders `train` made are touched; a remote run's path is an object-store
+    URI and the pod's download dies with the pod."""
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.isdir(path) and name.startswith(CHECKPOINT_SCRATCH_PREFIX) and \
+            os.path.dirname(os.path.normpath(path)) == os.path.normpath(tempfile.gettempdir()):
+        shutil.rmtree(path, ignore_errors=True)

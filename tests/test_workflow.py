@@ -23,10 +23,14 @@ PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 
 def _env(tmp: Path) -> dict:
     env = dict(os.environ)
+    # TMPDIR inside the test folder: Flyte's and flyroll's scratch files go with it (and tests can look
+    # at what a run leaves behind); Ray keeps its short /tmp/ray (unix socket paths are length-limited).
     env.update(HOME=str(tmp / "home"), FLYROLL_CACHE_DIR=str(tmp / "cache"), RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI="")
+               PYTHONPATH=str(REPO), MLFLOW_TRACKING_URI="", TMPDIR=str(tmp / "tmp"),
+               RAY_TMPDIR=os.environ.get("RAY_TMPDIR", "/tmp"))
     env.pop("MLFLOW_TRACKING_URI")
     (tmp / "home").mkdir(exist_ok=True)
+    (tmp / "tmp").mkdir(exist_ok=True)
     return env
 
 
@@ -78,6 +82,8 @@ def test_run_publishes_versions_that_chain_back_to_the_base(e2e_run):
     assert m2.metadata["iteration"] == 2
     datasets = [k for k in store.list("datasets")]
     assert any(k.endswith("/train") for k in datasets) and any(k.endswith("/eval") for k in datasets)
+    # each iteration's scratch checkpoint is gone once published (a local run would otherwise leak one per iteration)
+    assert not list((tmp / "tmp").glob("flyroll-ckpt-*")), sorted(p.name for p in (tmp / "tmp").iterdir())
 
 
 def test_training_changed_the_parameters(e2e_run, tmp_path):
