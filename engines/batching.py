@@ -2,11 +2,23 @@
 
 Layout (verl style): prompts left-padded to P, responses right-padded to T, so the response of
 every row sits in columns [P, P+T) and the log-prob of response token t comes from the logits at
-position P+t-1. Notation: B rows, P prompt width, T response width, V vocabulary.
+position P+t-1. Notation: B rows, P prompt width, T response width, V vocabulary, U distinct prompts.
+
+Two savings in `response_logprobs`, both exact (same numbers up to float summation order):
+- the LM head runs only on the T positions whose logits are used (`logits_to_keep`), not on the
+  prompt: for SmolLM2 the head is ~1/5 of a token's FLOPs and the [B, P+T, V] float logits dominate
+  the activation memory;
+- **shared prefixes**: GRPO-style batches hold G samples of each prompt. When rows repeat a prompt,
+  each distinct prompt is run once (U rows, with its KV cache), the cache is indexed out to the B
+  rows, and only the responses run per row. Gradients flow back through the indexed cache into the
+  one prompt forward, so training sees the same gradient for (U·P + B·T) tokens of compute instead
+  of B·(P+T).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +59,48 @@ def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: 
     return TokenBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask)
 
 
-def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log-probs [B, T] of the responses under `model` (and entropy [B, T] if asked)."""
+def prompt_groups(batch: TokenBatch) -> torch.Tensor:
+    """[B] id of each row's prompt (rows with equal ids have the same prompt tokens)."""
+    P = batch.prompt_width
+    key = torch.where(batch.attention_mask[:, :P].bool(), batch.input_ids[:, :P], -1)
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
+@functools.cache
+def _cache_arg(cls) -> str:
+    """The KV-cache keyword of a model class: `cache` from transformers 5.2x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> torch.Tensor:
+    """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2)."""
     P, T = batch.prompt_width, batch.responses.shape[1]
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
-    logits = out.logits[:, P - 1 : P + T - 1].float()                      # [B, T, V]
+    if shared_prefix:
+        key = torch.where(batch.attention_mask[:, :P].bool(), batch.input_ids[:, :P], -1)
+        prompts, inverse = torch.unique(key, dim=0, return_inverse=True)         # [U, P], [B]
+        if prompts.shape[0] < key.shape[0]:
+            mask = (prompts >= 0).long()
+            out = model(input_ids=prompts.clamp(min=0), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True, logits_to_keep=1)
+            first = out.logits[inverse]                                          # [B, 1, V]: predicts response token 0
+            if T == 1:
+                return first
+            arg = _cache_arg(type(model))
+            cache = getattr(out, arg)
+            cache.batch_select_indices(inverse)                                  # [U, ...] -> [B, ...], differentiable
+            rest = model(input_ids=batch.input_ids[:, P : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],
+                         position_ids=batch.position_ids[:, P : P + T - 1], use_cache=True, **{arg: cache})
+            return torch.cat([first, rest.logits], dim=1)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, logits_to_keep=T + 1)                           # positions P-1 .. P+T-1
+    return out.logits[:, :T]
+
+
+def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
+                      shared_prefix: bool = True):
+    """Per-token log-probs [B, T] of the responses under `model` (and entropy [B, T] if asked).
+    `shared_prefix=False` runs every row's prompt (for wrappers that allow one forward per backward)."""
+    logits = response_logits(model, batch, shared_prefix).float()           # [B, T, V]
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logsm = torch.log_softmax(logits, dim=-1)                              # [B, T, V]
@@ -64,7 +113,8 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_e
 
 @torch.no_grad()
 def batched_logprobs(model, batch: TokenBatch, micro_batch: int = 64, temperature: float = 1.0) -> torch.Tensor:
-    """`response_logprobs` in micro-batches without grad; [B, T]."""
+    """`response_logprobs` in micro-batches without grad; [B, T]. (Rows of one prompt are adjacent in
+    a rollout table, so a micro-batch usually holds whole groups and shares their prefix.)"""
     model.eval()
     parts = []
     for s in range(0, batch.input_ids.shape[0], micro_batch):

@@ -51,6 +51,7 @@ class TrainStrategy(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    shared_prefix: bool  # the wrapped module may run two forwards (prompt, then responses) per backward
 
     def prepare(self, model: nn.Module, make_optimizer: MakeOptimizer, grad_clip: float) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap `model` and build its optimizer; returns (module to call forward on, the torch
@@ -132,6 +133,7 @@ class TorchStrategy:
     """One process, no wrapping: the plain PyTorch path (and the reference for the others)."""
 
     name, rank, world_size = "torch", 0, 1
+    shared_prefix = True
 
     def __init__(self):
         self.device = torch.device("cpu")
@@ -168,7 +170,11 @@ class TorchStrategy:
 
 
 class _Distributed(TorchStrategy):
-    """What every multi-process strategy shares: rank, world size, loss scale, metric reduction."""
+    """What every multi-process strategy shares: rank, world size, loss scale, metric reduction.
+    Their wrappers (DDP's reducer, FSDP2's reshard hooks, DeepSpeed's engine) are built around one
+    forward per backward, so they run every row's prompt (`engines.batching` shared_prefix off)."""
+
+    shared_prefix = False
 
     def __init__(self):
         super().__init__()

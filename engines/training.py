@@ -24,7 +24,7 @@ from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
 from engines.algorithms.aggregate import masked_mean
 from engines.algorithms.objective import actor_loss, critic_loss
-from engines.batching import TokenBatch, response_logprobs
+from engines.batching import TokenBatch, prompt_groups, response_logprobs
 from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shard
 
 
@@ -61,9 +61,13 @@ def _trim(sub: TokenBatch) -> tuple[TokenBatch, int]:
 
 
 def _micro_steps(strategy: TrainStrategy, mini: list[int], prompt_lens: list[int], resp_lens: list[int],
-                 max_tokens: int) -> list[tuple[list[int], float]]:
+                 max_tokens: int, groups: list[int] | None = None) -> list[tuple[list[int], float]]:
     """(row indices, weight) of each forward/backward this rank runs for mini-batch `mini`: its
-    shard split by token count, padded with zero-weighted rows to the busiest rank's count."""
+    shard split by token count, padded with zero-weighted rows to the busiest rank's count. With
+    `groups` (prompt id per row) the mini-batch's rows are ordered by prompt first, so a micro-batch
+    holds whole groups and shares their prefix (same rows, same sum: the update is unchanged)."""
+    if groups is not None:
+        mini = sorted(mini, key=lambda i: groups[i])  # stable: the shuffled order stays within a group
     splits = []
     for r in range(strategy.world_size):
         rows = shard(mini, r, strategy.world_size)
@@ -153,6 +157,8 @@ class TorchTrainEngine:
         P = batch.prompt_width
         prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
         resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
+        shared = strategy.shared_prefix
+        groups = prompt_groups(batch).tolist() if shared else None
         g = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
         n_updates, t0, tokens, norms = 0, time.perf_counter(), 0, 0.0
@@ -162,14 +168,15 @@ class TorchTrainEngine:
                 mini = order[ms : ms + mini_batch_size]
                 num_tokens, num_seqs = global_counts(batch.response_mask[mini])
                 strategy.zero_grad(self.optimizer)
-                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch)
+                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
                 for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
                     sub, old, ref, adv, behaviour = _to(
                         strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
                         advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
                     with strategy.micro_batch(last=n == len(micro) - 1):
-                        logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True)
+                        logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True,
+                                                          shared_prefix=shared)
                         loss, m = actor_loss(
                             cfg,
                             logp,

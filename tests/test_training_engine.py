@@ -1,0 +1,205 @@
+"""The training side of the engines on a tiny char-level Qwen2 (seconds on one CPU thread): the
+batch layout and per-token log-probs (`engines/batching.py`) and the actor update
+(`engines/training.py`: micro-batching by tokens, loss masks, normalisation). Shared-prefix
+log-probs have their own file, tests/test_shared_prefix.py."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from configs.algorithm import AlgorithmConfig
+from engines.algorithms.aggregate import global_counts
+from engines.algorithms.objective import actor_loss
+from engines.batching import batched_logprobs, collate, response_logprobs
+from engines.modeling import SPECIAL_TOKENS
+from engines.synthetic import make_problems
+from engines.training import TorchTrainEngine, split_by_tokens
+from tests.test_engines import PROMPTS, encode, params_of
+
+torch.set_num_threads(1)
+
+# ================================================================================================
+# batching
+# ================================================================================================
+
+def test_collate_layout():
+    b = collate([[11, 12, 13], [14]], [[15, 16], [17, 18, 19]], pad_id=0, loss_masks=[[1, 0], [0, 1, 1]])
+    # P = 3 (prompts left-padded), T = 3 (responses right-padded)
+    assert b.prompt_width == 3
+    assert b.input_ids.tolist() == [[11, 12, 13, 15, 16, 0], [0, 0, 14, 17, 18, 19]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    # positions count real tokens from 0; pads get 0 (left) or repeat the last position (right)
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert b.responses.tolist() == [[15, 16, 0], [17, 18, 19]]
+    assert b.response_mask.tolist() == [[1, 0, 0], [0, 1, 1]]  # loss masks, zero on padding
+    sub = b.select([1])
+    assert sub.input_ids.tolist() == [[0, 0, 14, 17, 18, 19]] and sub.prompt_width == 3
+
+
+def test_collate_default_mask_and_empty_response():
+    b = collate([[11, 12], [13]], [[14, 15], []], pad_id=0)
+    assert b.response_mask.tolist() == [[1, 1], [0, 0]]
+    empty = collate([[11]], [[]], pad_id=0)
+    assert empty.responses.shape == (1, 1) and empty.response_mask.tolist() == [[0.0]]
+
+
+def test_response_logprobs_ignore_padding(tiny_policy):
+    """Each row's log-probs in a padded batch equal those of the row alone, unpadded."""
+    model, tok = tiny_policy
+    prompts = encode(tok, PROMPTS)
+    responses = encode(tok, ["3", "cba\n", "9-3"])
+    batch = collate(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        logp, ent = response_logprobs(model, batch, with_entropy=True)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+            torch.testing.assert_close(logp[i, : len(r)], want, atol=1e-5, rtol=0)
+    assert ((ent >= 0) & (ent <= torch.log(torch.tensor(float(len(tok)))) + 1e-5)).all()
+
+
+# ================================================================================================
+# training
+# ================================================================================================
+
+def rl_batch(tok, model, seed: int = 0, long_row: int = 0):
+    """A rollout-like batch: synthetic prompts, random responses of varying length, some tokens
+    masked out of the loss, on-policy old log-probs, a reference, ±1 advantages."""
+    rng = random.Random(seed)
+    probs = make_problems("train", 8, seed=seed)
+    prompts = encode(tok, [p.prompt for p in probs])
+    vocab = list(range(len(SPECIAL_TOKENS), len(tok)))
+    responses = [[rng.choice(vocab) for _ in range(rng.randint(2, 9))] for _ in probs]
+    if long_row:
+        responses[0] = [rng.choice(vocab) for _ in range(long_row)]
+    masks = [[0 if rng.random() < 0.3 else 1 for _ in r] for r in responses]
+    masks[1] = [1] * len(masks[1])
+    batch = collate(prompts, responses, tok.pad_token_id, loss_masks=masks)
+    old = batched_logprobs(model, batch)
+    g = torch.Generator().manual_seed(seed)
+    ref = (old - 0.05 * torch.rand(old.shape, generator=g)) * batch.response_mask
+    adv = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(probs))])[:, None] * batch.response_mask
+    return batch, adv, old, ref
+
+
+def sgd_engine(model, lr: float = 0.5) -> TorchTrainEngine:
+    """The training engine with its AdamW swapped for plain SGD, so parameter updates are linear in
+    the gradient (Adam's first step is ~lr·sign(g), which hides gradient differences)."""
+    engine = TorchTrainEngine(model)
+    engine.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+    return engine
+
+
+def test_train_step_changes_parameters(tiny_policy):
+    model = copy.deepcopy(tiny_policy[0])
+    batch, adv, old, ref = rl_batch(tiny_policy[1], model)
+    before = params_of(model)
+    engine = TorchTrainEngine(model, lr=1e-3)
+    m = engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=4, max_tokens_per_micro_batch=64)
+    after = params_of(model)
+    assert all(not torch.equal(before[k], after[k]) for k in before)  # every tensor moved
+    assert m["actor/updates"] == 2.0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/kl_loss"):
+        assert key in m and m[key] == m[key]
+    assert model.training
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_update_does_not_depend_on_micro_batch_size(tiny_policy, mode):
+    base, tok = tiny_policy
+    cfg = AlgorithmConfig(loss_agg_mode=mode, entropy_coef=0.01)
+    batch, adv, old, ref = rl_batch(tok, base)
+    results = []
+    for cap in (1, 10**9):  # every row alone vs one micro-batch per mini-batch
+        model = copy.deepcopy(base)
+        m = sgd_engine(model).train_step(batch, adv, old, ref, cfg, mini_batch_size=4, max_tokens_per_micro_batch=cap)
+        results.append((params_of(model), m))
+    (p_small, m_small), (p_big, m_big) = results
+    start = params_of(base)
+    assert max(float((p_big[k] - start[k]).abs().max()) for k in start) > 1e-3  # a real update
+    for k in start:
+        torch.testing.assert_close(p_small[k], p_big[k], atol=1e-5, rtol=0, msg=k)
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        assert m_small[k] == pytest.approx(m_big[k], abs=1e-5), k
+
+
+def test_masked_tokens_get_zero_gradient(tiny_policy):
+    model, tok = tiny_policy
+    model = copy.deepcopy(model)
+    cfg = AlgorithmConfig(entropy_coef=0.01)
+    batch, adv, old, ref = rl_batch(tok, model)
+    mask = batch.response_mask
+    assert (mask == 0).any() and (mask == 1).any()
+    adv = adv + 100.0 * (1 - mask)  # huge values behind the mask must not matter
+    logp, ent = response_logprobs(model, batch, with_entropy=True)
+    logp.retain_grad()
+    ent.retain_grad()
+    n_tok, n_seq = global_counts(mask)
+    loss, _ = actor_loss(cfg, logp, old, ref, adv, mask, entropy=ent, num_tokens=n_tok, num_seqs=n_seq)
+    loss.backward()
+    assert (logp.grad[mask == 0] == 0).all() and (ent.grad[mask == 0] == 0).all()
+    assert (logp.grad[mask == 1] != 0).any() and (ent.grad[mask == 1] != 0).any()
+
+
+def test_masked_tokens_do_not_change_the_update(tiny_policy):
+    base, tok = tiny_policy
+    batch, adv, old, ref = rl_batch(tok, base)
+    off = 1 - batch.response_mask
+    runs = {}
+    for name, (a, o, r) in {
+        "clean": (adv, old, ref),
+        "junk_behind_mask": (adv + 1e3 * off, old - 30.0 * off, ref - 30.0 * off),
+        "control": (adv + 0.5 * batch.response_mask, old, ref),  # an unmasked change does move it
+    }.items():
+        model = copy.deepcopy(base)
+        sgd_engine(model).train_step(batch, a, o, r, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
+        runs[name] = params_of(model)
+    for k in runs["clean"]:
+        torch.testing.assert_close(runs["junk_behind_mask"][k], runs["clean"][k], atol=1e-6, rtol=0, msg=k)
+    assert any(not torch.allclose(runs["control"][k], runs["clean"][k], atol=1e-6) for k in runs["clean"])
+
+
+def test_split_by_tokens_worked_example():
+    # cap 16: [5,3] -> 5*2=10; adding 8 -> 8*3=24 > 16, new group; [8,2] -> 16 ok; a third -> 24;
+    # [2] + 9 -> 18 > 16; [9] + 1 -> 18 > 16; [1]
+    assert split_by_tokens([5, 3, 8, 2, 2, 9, 1], 16) == [[0, 1], [2, 3], [4], [5], [6]]
+    assert split_by_tokens([20, 3], 16) == [[0], [1]]  # a row longer than the cap goes alone
+    assert split_by_tokens([], 16) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_by_tokens_respects_the_cap(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 50))]
+    cap = rng.randint(8, 120)
+    groups = split_by_tokens(lengths, cap)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))  # order kept, all rows once
+    for g in groups:
+        assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= cap
+
+
+def test_micro_batch_forward_respects_the_token_cap(tiny_policy):
+    """BUG (engines/training.py): `split_by_tokens` sizes micro-batches by each row's own length,
+    but `train_step` feeds `batch.select(idx)` at the full batch width P+T, so one long response
+    makes every micro-batch a multiple of the cap (the documented memory knob
+    `max_tokens_per_micro_batch` = padded tokens per forward does not hold)."""
+    base, tok = tiny_policy
+    model = copy.deepcopy(base)
+    batch, adv, old, ref = rl_batch(tok, model, long_row=40)
+    cap = 64
+    assert int(batch.attention_mask.sum(-1).max()) <= cap  # every row fits the cap on its own
+    seen = []
+    forward = model.forward
+
+    def counting_forward(*args, **kwargs):
+        seen.append(kwargs["input_ids"].numel())
+        return forward(*args, **kwargs)
+
+    model.forward = counting_forward
+    TorchTrainEngine(model).train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=cap)
+    assert seen and max(seen) <= cap, f"padded tokens per micro-batch forward: {seen} (cap {cap})"
