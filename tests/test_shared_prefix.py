@@ -1,7 +1,8 @@
-"""Shared-prefix log-probs (engines/batching.py): each distinct prompt runs once and its KV cache is
-indexed out to the rows that repeat it. The log-probs, their gradients and a whole training update
-must equal the plain every-row computation, on both architectures the project trains (Qwen2, the
-tiny default; Llama, SmolLM2's)."""
+"""Shared prefixes. Log-probs (engines/batching.py): each distinct prompt runs once and its KV cache
+is indexed out to the rows that repeat it; the log-probs, their gradients and a whole training
+update must equal the plain every-row computation. Generation (engines/generation.py): each prompt
+is prefilled once for its n samples; the samples must be the ones transformers' own n-fold prefill
+gives. Both architectures the project trains: Qwen2 (the tiny default) and Llama (SmolLM2's)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,18 @@ import torch
 from engines.batching import collate, prompt_groups, response_logits, response_logprobs
 
 
-def _llama():
+def _llama(vocab: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
     return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(params=["qwen2", "llama"])
 def model(request, tiny_policy):
-    return copy.deepcopy(tiny_policy[0]) if request.param == "qwen2" else _llama()
+    return copy.deepcopy(tiny_policy[0]) if request.param == "qwen2" else _llama(len(tiny_policy[1]))
 
 
 def _grpo_batch(vocab: int, seed: int = 0):
@@ -105,3 +106,28 @@ def test_training_update_equals_the_every_row_update(tiny_policy):
     assert sum(moved) >= len(moved) // 2
     for a, b in zip(*params):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_with_one_prefill_per_prompt_gives_the_same_samples(model, tiny_policy, temperature):
+    """Greedy: the same tokens. Sampling with a seed: the same draws (the same logits feed the same
+    RNG calls), so the same tokens too; behaviour log-probs agree to float precision."""
+    from engines.generation import HFGenerationEngine, SamplingParams
+
+    tok = tiny_policy[1]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["1+2=", "rev abcdef=", "9-3+4-1=", "7"]]
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=5)
+    shapes = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    shared = HFGenerationEngine(model, tok, micro_batch=3).generate(prompts, params)
+    prefill_shapes, shapes[:] = list(shapes), []
+    every = HFGenerationEngine(model, tok, micro_batch=3, shared_prefill=False).generate(prompts, params)
+    # shared: one prefill of the 3 prompts (width 11 - 1), then generate only decodes 9 rows a token at a time
+    assert prefill_shapes[0] == (3, 10) and all(s[1] == 1 for s in prefill_shapes[1:] if s[0] == 9)
+    assert (9, 10) not in prefill_shapes and (9, 11) not in prefill_shapes
+    assert shapes[0] == (9, 11)  # transformers' own path prefills every sample
+    assert [(c.prompt_index, c.sample_index) for c in shared] == [(c.prompt_index, c.sample_index) for c in every]
+    assert len(shared) == 12 and len({tuple(c.token_ids) for c in shared}) > (1 if temperature else 0)
+    for a, b in zip(shared, every):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)  # float summation order only
