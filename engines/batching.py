@@ -59,11 +59,16 @@ def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: 
     return TokenBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask)
 
 
-def prompt_groups(batch: TokenBatch) -> torch.Tensor:
-    """[B] id of each row's prompt (rows with equal ids have the same prompt tokens)."""
+def _distinct_prompts(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """([U, P] the distinct prompts, -1 on padding; [B] which one each row has)."""
     P = batch.prompt_width
     key = torch.where(batch.attention_mask[:, :P].bool(), batch.input_ids[:, :P], -1)
-    return torch.unique(key, dim=0, return_inverse=True)[1]
+    return torch.unique(key, dim=0, return_inverse=True)
+
+
+def prompt_groups(batch: TokenBatch) -> torch.Tensor:
+    """[B] id of each row's prompt (rows with equal ids have the same prompt tokens)."""
+    return _distinct_prompts(batch)[1]
 
 
 @functools.cache
@@ -76,9 +81,8 @@ def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> tor
     """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2)."""
     P, T = batch.prompt_width, batch.responses.shape[1]
     if shared_prefix:
-        key = torch.where(batch.attention_mask[:, :P].bool(), batch.input_ids[:, :P], -1)
-        prompts, inverse = torch.unique(key, dim=0, return_inverse=True)         # [U, P], [B]
-        if prompts.shape[0] < key.shape[0]:
+        prompts, inverse = _distinct_prompts(batch)                              # [U, P], [B]
+        if prompts.shape[0] < inverse.shape[0]:
             mask = (prompts >= 0).long()
             out = model(input_ids=prompts.clamp(min=0), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                         use_cache=True, logits_to_keep=1)
