@@ -129,6 +129,14 @@ class AlgorithmConfig(BaseModel):
         description="TIS weight per token, or one weight per sequence (product of token ratios: "
         "unbiased for sequence rewards but much higher variance).",
     )
+    old_logprobs: Literal["recompute", "behaviour"] = Field(
+        "recompute",
+        description="π_old of the PPO ratio. recompute: the reference stage runs the current policy "
+        "over the batch, so the ratio starts at exactly 1 whatever engine sampled. behaviour: take "
+        "the generation engine's per-token log-probs and skip that forward (the HF engine's agree "
+        "with the recompute to float precision; vLLM's to ~1e-5). Not with tis_cap, whose weights "
+        "compare the two.",
+    )
     ppo_epochs: int = Field(
         1, ge=1,
         description="Passes over each rollout batch. More reuse per sample, but the policy drifts "
@@ -162,7 +170,8 @@ class AlgorithmConfig(BaseModel):
     kl_coef: float = Field(
         0.001, ge=0.0,
         description="KL coefficient β (initial value when kl_ctrl='adaptive'). Higher keeps the "
-        "policy near the reference, at the price of slower reward improvement. 0 = no KL.",
+        "policy near the reference, at the price of slower reward improvement. 0 = no KL, and the "
+        "reference model's forward is skipped.",
     )
     use_kl_loss: bool = Field(
         True,
@@ -265,6 +274,11 @@ class AlgorithmConfig(BaseModel):
             raise ValueError(
                 f"algorithm.difficulty_low = {self.difficulty_low} must be <= "
                 f"algorithm.difficulty_high = {self.difficulty_high}"
+            )
+        if self.old_logprobs == "behaviour" and self.tis_cap is not None:
+            raise ValueError(
+                "algorithm.tis_cap needs algorithm.old_logprobs = 'recompute': with 'behaviour' the "
+                "trainer's π_old is the engine's log-probs, so the TIS weight would always be 1"
             )
         if self.overlong_buffer_len > 0:
             if self.overlong_max_len is None or self.overlong_max_len <= self.overlong_buffer_len:

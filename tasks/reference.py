@@ -1,7 +1,12 @@
 """Reference forward: reference-model log-probs (KL anchor), the current policy's log-probs
 (`old_logprobs`, recomputed so the PPO ratio starts at exactly 1 whatever engine sampled) and, for
 PPO with GAE (`algorithm.advantage: gae`), the values of this iteration's critic (the one published
-with the policy checkpoint; at the first iteration a fresh one from the policy backbone)."""
+with the policy checkpoint; at the first iteration a fresh one from the policy backbone).
+
+Forwards that cannot change the update are skipped: with `algorithm.kl_coef: 0` the reference
+model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0), and with
+`algorithm.old_logprobs: behaviour` the policy is not run (`old_logprobs` = the engine's
+`behaviour_logprobs`). The table keeps the same columns either way."""
 
 from __future__ import annotations
 
@@ -28,12 +33,20 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     with stage(spec, "reference", iteration, metrics):
         (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id, {"threads": cfg.run.torch_threads},
                                actor_options_for(cfg, "reference", is_local_execution()))
-        ray.get([worker.load.remote("reference", spec, reference.key), worker.load.remote("policy", spec, policy.key)])
+        models = {"reference": reference.key, "policy": policy.key}
+        if cfg.algorithm.kl_coef == 0:
+            models.pop("reference")
+        if cfg.algorithm.old_logprobs == "behaviour":
+            models.pop("policy")
+        ray.get([worker.load.remote(role, spec, key) for role, key in models.items()])
         prompts = [list(p) for p in batch["prompt_token_ids"]]
         responses = [list(r) for r in batch["response_token_ids"]]
         pad = int(ray.get(worker.pad_id.remote()))
         mb = max(1, cfg.training.max_tokens_per_micro_batch // max(1, max(map(len, prompts)) + max(map(len, responses))))
-        ref_lp, old_lp = ray.get([worker.logprobs.remote(w, prompts, responses, pad, mb) for w in ("reference", "policy")])
+        computed = dict(zip(models, ray.get([worker.logprobs.remote(role, prompts, responses, pad, mb) for role in models])))
+        old_lp = computed.get("policy", [list(x) for x in batch["behaviour_logprobs"]])
+        ref_lp = computed.get("reference", old_lp)
+        metrics["reference/forwards"] = float(len(models))
         df = batch.copy()
         df["ref_logprobs"] = ref_lp
         df["old_logprobs"] = old_lp

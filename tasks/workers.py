@@ -156,6 +156,7 @@ class ReferenceWorker:
     def __init__(self, threads: int = 1):
         _threads(threads)
         self.models: dict[str, tuple] = {}  # which ("reference"/"policy"/"critic") -> (key, model)
+        self.pad = 0  # the tokenizer's pad id once a policy is loaded (padding is masked: any id works)
 
     def load(self, which: str, spec, key: str) -> None:
         """which="critic": the critic published with policy checkpoint `key` (fresh from its

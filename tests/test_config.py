@@ -179,3 +179,10 @@ def test_every_field_is_described():
                 walk(ann, f"{prefix}{name}.")
 
     walk(FlyrollConfig, "")
+
+
+def test_behaviour_old_logprobs_refuse_tis(tmp_path):
+    assert parse_config({"algorithm": {"old_logprobs": "behaviour"}}).algorithm.old_logprobs == "behaviour"
+    msg = config_error(tmp_path, "algorithm:\n  old_logprobs: behaviour\n  tis_cap: 2.0\n")
+    assert "algorithm.tis_cap needs algorithm.old_logprobs = 'recompute'" in msg
+    assert "old_logprobs" in config_error(tmp_path, "algorithm:\n  old_logprobs: engine\n")

@@ -135,6 +135,28 @@ def test_rerun_resumes_and_redoes_nothing(e2e_run):
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")) == [1, 2]
 
 
+@pytest.mark.slow
+def test_kl_free_run_with_behaviour_logprobs_skips_both_reference_forwards(tmp_path):
+    """kl_coef 0 + old_logprobs behaviour: the reference stage runs no model, the table still has
+    its columns (old = the engine's log-probs, ref = old), and the run trains and publishes."""
+    import pandas as pd
+
+    from infra.store import ArtifactStore
+
+    config = _config(tmp_path, algorithm={"kl_coef": 0.0, "old_logprobs": "behaviour"}, loop={"iterations": 1, "eval_every": 1})
+    proc = _pyflyte_run(tmp_path, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    c, run = _mlflow(tmp_path)
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "reference/forwards")] == [0.0]
+    store = ArtifactStore(str(tmp_path / "runs" / "store"))
+    assert [k.rsplit("/", 1)[-1] for k in store.list("runs") if "/policy/" in k] == ["v0001"]
+    key = [k for k in store.list("runs") if k.endswith("rollouts/i0001")][0]
+    df = pd.read_parquet(f"{store.fetch(key, str(tmp_path / 'r'))}/rollout.parquet")
+    assert len(df) == 16
+    for beh, old, ref in zip(df["behaviour_logprobs"], df["old_logprobs"], df["ref_logprobs"]):
+        assert list(old) == list(beh) == list(ref) and len(old) > 0
+
+
 @pytest.mark.parametrize(
     "section,values,expected",
     [
