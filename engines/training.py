@@ -104,7 +104,65 @@ def _lr_schedule(optimizer, warmup_steps, total_steps, min_lr_ratio):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-class TorchTrainEngine:
+class _PPOEngine:
+    """What the actor's and the critic's engines share: the strategy-wrapped module, its AdamW and
+    LR schedule (and their state), and the update loop — `ppo_epochs` passes over shuffled
+    mini-batches, each split into micro-batches by token count, one optimizer step per mini-batch."""
+
+    def __init__(self, module, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
+                 warmup_steps: int, total_steps: int | None, min_lr_ratio: float, strategy: TrainStrategy | None):
+        self.grad_clip = grad_clip
+        self.strategy = strategy or TorchStrategy()
+        self.module, self.optimizer = self.strategy.prepare(module, _adamw(lr, weight_decay, betas), grad_clip)
+        self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
+
+    def state_dict(self) -> dict:
+        """Collective under multi-process strategies; complete on rank 0."""
+        return {"optimizer": self.strategy.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _updates(self, batch: TokenBatch, ppo_epochs: int, mini_batch_size: int, max_tokens_per_micro_batch: int,
+                 seed: int, micro_loss, groups: list[int] | None = None) -> tuple[dict[str, float], int, float, float]:
+        """Run the update loop; `micro_loss(sub, idx, t, num_tokens, num_seqs) -> (loss, metrics)` on
+        each trimmed micro-batch `sub` (rows `idx`, response width `t`), inside the strategy's
+        micro-batch context. Returns (metric means over updates, summed over ranks; number of
+        updates; mean grad norm; padded tokens processed, summed over ranks)."""
+        strategy = self.strategy
+        self.module.train()
+        B, P = batch.input_ids.shape[0], batch.prompt_width
+        prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
+        resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
+        g = torch.Generator().manual_seed(seed)
+        sums: dict[str, float] = {}
+        n_updates, tokens, norms = 0, 0, 0.0
+        for _epoch in range(ppo_epochs):
+            order = torch.randperm(B, generator=g).tolist()
+            for ms in range(0, B, mini_batch_size):
+                mini = order[ms : ms + mini_batch_size]
+                num_tokens, num_seqs = global_counts(batch.response_mask[mini])
+                strategy.zero_grad(self.optimizer)
+                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
+                for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
+                    sub, t = _trim(batch.select(idx))
+                    with strategy.micro_batch(last=n == len(micro) - 1):
+                        loss, m = micro_loss(sub, idx, t, num_tokens, num_seqs)
+                        strategy.backward(loss * weight)
+                    w = weight * len(idx) / len(mini)
+                    for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
+                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
+                    tokens += int(weight * sub.attention_mask.sum())
+                norms += strategy.step(self.optimizer)
+                self.scheduler.step()
+                n_updates += 1
+        keys = sorted(sums)  # every rank ran the same micro-batches, so the same keys
+        *values, tokens = strategy.all_reduce_sum([sums[k] for k in keys] + [tokens])
+        return ({k: v / max(1, n_updates) for k, v in zip(keys, values)}, n_updates, norms / max(1, n_updates), tokens)
+
+
+class TorchTrainEngine(_PPOEngine):
     def __init__(
         self,
         model,
@@ -120,18 +178,7 @@ class TorchTrainEngine:
         """`model` is the plain module (saved as the checkpoint); `self.module` is what the strategy
         wrapped it into (forward goes through it)."""
         self.model = model
-        self.grad_clip = grad_clip
-        self.strategy = strategy or TorchStrategy()
-        self.module, self.optimizer = self.strategy.prepare(model, _adamw(lr, weight_decay, betas), grad_clip)
-        self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
-
-    def state_dict(self) -> dict:
-        """Collective under multi-process strategies; complete on rank 0."""
-        return {"optimizer": self.strategy.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
 
     def train_step(
         self,
@@ -151,69 +198,31 @@ class TorchTrainEngine:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `actor/*` metrics.
         `rollout_logprobs` turn on truncated importance sampling when `cfg.tis_cap` is set;
         `kl_coef` is the KL controller's current β (None = `cfg.kl_coef`)."""
-        strategy = self.strategy
-        self.module.train()
-        B = batch.input_ids.shape[0]
-        P = batch.prompt_width
-        prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
-        resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
-        shared = strategy.shared_prefix
-        groups = prompt_groups(batch).tolist() if shared else None
-        g = torch.Generator().manual_seed(seed)
-        sums: dict[str, float] = {}
-        n_updates, t0, tokens, norms = 0, time.perf_counter(), 0, 0.0
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=g).tolist()
-            for ms in range(0, B, mini_batch_size):
-                mini = order[ms : ms + mini_batch_size]
-                num_tokens, num_seqs = global_counts(batch.response_mask[mini])
-                strategy.zero_grad(self.optimizer)
-                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
-                for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
-                    sub, t = _trim(batch.select(idx))
-                    sub, old, ref, adv, behaviour = _to(
-                        strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
-                        advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
-                    with strategy.micro_batch(last=n == len(micro) - 1):
-                        logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True,
-                                                          shared_prefix=shared)
-                        loss, m = actor_loss(
-                            cfg,
-                            logp,
-                            old,
-                            ref,
-                            adv,
-                            sub.response_mask,
-                            entropy=entropy,
-                            num_tokens=num_tokens,
-                            num_seqs=num_seqs,
-                            rollout_logprobs=behaviour,
-                            kl_coef=kl_coef,
-                        )
-                        strategy.backward(loss * weight)
-                    w = weight * len(idx) / len(mini)
-                    for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
-                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
-                    tokens += int(weight * sub.attention_mask.sum())
-                norms += strategy.step(self.optimizer)
-                self.scheduler.step()
-                n_updates += 1
-        keys = sorted(sums)  # every rank ran the same micro-batches, so the same keys
-        *values, tokens = strategy.all_reduce_sum([sums[k] for k in keys] + [tokens])
+        shared = self.strategy.shared_prefix
+
+        def micro_loss(sub, idx, t, num_tokens, num_seqs):
+            sub, old, ref, adv, behaviour = _to(
+                self.strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
+                advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
+            logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True, shared_prefix=shared)
+            return actor_loss(cfg, logp, old, ref, adv, sub.response_mask, entropy=entropy, num_tokens=num_tokens,
+                              num_seqs=num_seqs, rollout_logprobs=behaviour, kl_coef=kl_coef)
+
+        t0 = time.perf_counter()
+        metrics, n_updates, grad_norm, tokens = self._updates(
+            batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch, seed, micro_loss,
+            groups=prompt_groups(batch).tolist() if shared else None)
         elapsed = time.perf_counter() - t0
-        metrics = {k: v / max(1, n_updates) for k, v in zip(keys, values)}
-        metrics["actor/grad_norm"] = norms / max(1, n_updates)
-        metrics.update(
-            {
-                "actor/lr": self.scheduler.get_last_lr()[0],
-                "actor/updates": float(n_updates),
-                "training/tokens_per_s": tokens / max(elapsed, 1e-9),
-            }
-        )
+        metrics.update({
+            "actor/grad_norm": grad_norm,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "actor/updates": float(n_updates),
+            "training/tokens_per_s": tokens / max(elapsed, 1e-9),
+        })
         return metrics
 
 
-class TorchCriticEngine:
+class TorchCriticEngine(_PPOEngine):
     """The critic's update: clipped value loss (`objective.critic_loss`) against the returns, with
     its own AdamW; same mini-batch order and token-count micro-batching as the actor."""
 
@@ -221,18 +230,7 @@ class TorchCriticEngine:
                  grad_clip: float = 1.0, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.1,
                  strategy: TrainStrategy | None = None):
         self.critic = critic
-        self.grad_clip = grad_clip
-        self.strategy = strategy or TorchStrategy()
-        self.module, self.optimizer = self.strategy.prepare(critic, _adamw(lr, weight_decay, betas), grad_clip)
-        self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
-
-    def state_dict(self) -> dict:
-        """Collective under multi-process strategies; complete on rank 0."""
-        return {"optimizer": self.strategy.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        super().__init__(critic, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
 
     def train_step(
         self,
@@ -248,40 +246,16 @@ class TorchCriticEngine:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `critic/*` metrics."""
         from engines.critic_model import response_values
 
-        strategy = self.strategy
-        self.module.train()
-        B, P = batch.input_ids.shape[0], batch.prompt_width
-        prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
-        resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
-        g = torch.Generator().manual_seed(seed)
-        sums: dict[str, float] = {}
-        n_updates, norms = 0, 0.0
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=g).tolist()
-            for ms in range(0, B, mini_batch_size):
-                mini = order[ms : ms + mini_batch_size]
-                num_tokens, num_seqs = global_counts(batch.response_mask[mini])
-                strategy.zero_grad(self.optimizer)
-                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch)
-                for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
-                    sub, t = _trim(batch.select(idx))
-                    sub, old, ret = _to(strategy.device, sub, old_values[idx, :t], returns[idx, :t])
-                    with strategy.micro_batch(last=n == len(micro) - 1):
-                        values = response_values(self.module, sub)                      # [b, t]
-                        loss, m = critic_loss(cfg, values, old, ret, sub.response_mask,
-                                              num_tokens=num_tokens, num_seqs=num_seqs)
-                        strategy.backward(loss * weight)
-                    w = weight * len(idx) / len(mini)
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
-                norms += strategy.step(self.optimizer)
-                self.scheduler.step()
-                n_updates += 1
-        keys = sorted(sums)
-        metrics = {k: v / max(1, n_updates) for k, v in zip(keys, strategy.all_reduce_sum([sums[k] for k in keys]))}
-        metrics["critic/grad_norm"] = norms / max(1, n_updates)
+        def micro_loss(sub, idx, t, num_tokens, num_seqs):
+            sub, old, ret = _to(self.strategy.device, sub, old_values[idx, :t], returns[idx, :t])
+            values = response_values(self.module, sub)                      # [b, t]
+            return critic_loss(cfg, values, old, ret, sub.response_mask, num_tokens=num_tokens, num_seqs=num_seqs)
+
+        metrics, _, grad_norm, _ = self._updates(batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch,
+                                                 seed, micro_loss)
         mask = batch.response_mask.float()
         metrics.update({
+            "critic/grad_norm": grad_norm,
             "critic/values_mean": float(masked_mean(old_values, mask)),
             "critic/returns_mean": float(masked_mean(returns, mask)),
             "critic/lr": self.scheduler.get_last_lr()[0],
