@@ -55,8 +55,12 @@ def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: 
             attention[i, P : P + len(r)] = 1
             m = loss_masks[i] if loss_masks is not None else [1] * len(r)
             response_mask[i, : len(r)] = torch.tensor(m, dtype=torch.float32)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask)
+    return TokenBatch(input_ids, attention, positions(attention), input_ids[:, P:].clone(), response_mask)
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token (padding: 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _distinct_prompts(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,20 +81,25 @@ def cache_kwarg(cls) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, str, object]:
+    """Left-padded prompts through `model` with the KV cache on: (logits of the last position
+    [U, 1, V], the model's cache keyword, the cache), for a forward that continues from it."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
+                use_cache=True, logits_to_keep=1)
+    arg = cache_kwarg(type(model))
+    return out.logits, arg, getattr(out, arg)
+
+
 def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> torch.Tensor:
     """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2)."""
     P, T = batch.prompt_width, batch.responses.shape[1]
     if shared_prefix:
         prompts, inverse = _distinct_prompts(batch)                              # [U, P], [B]
         if prompts.shape[0] < inverse.shape[0]:
-            mask = (prompts >= 0).long()
-            out = model(input_ids=prompts.clamp(min=0), attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                        use_cache=True, logits_to_keep=1)
-            first = out.logits[inverse]                                          # [B, 1, V]: predicts response token 0
+            last, arg, cache = prefill(model, prompts.clamp(min=0), (prompts >= 0).long())
+            first = last[inverse]                                                # [B, 1, V]: predicts response token 0
             if T == 1:
                 return first
-            arg = cache_kwarg(type(model))
-            cache = getattr(out, arg)
             cache.batch_select_indices(inverse)                                  # [U, ...] -> [B, ...], differentiable
             rest = model(input_ids=batch.input_ids[:, P : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],
                          position_ids=batch.position_ids[:, P : P + T - 1], use_cache=True, **{arg: cache})

@@ -140,11 +140,8 @@ class HFGenerationEngine:
 
     def _prefill(self, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> dict:
         """{cache keyword: the KV cache of the prompts' first width-1 tokens, each row repeated n times}."""
-        from engines.batching import cache_kwarg
+        from engines.batching import prefill
 
-        arg = cache_kwarg(type(self.model))
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True, logits_to_keep=1)
-        cache = getattr(out, arg)
+        _, arg, cache = prefill(self.model, input_ids, attention)
         cache.batch_repeat_interleave(n)
         return {arg: cache}
