@@ -14,13 +14,17 @@ from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import GenerationWorker, generation_worker_kwargs
 
 
+def generation_actors(spec: RunSpec) -> list:
+    """The run's generation actors (created on first use, placed as `placement.actor_infer`), serving
+    whatever they last loaded."""
+    cfg = config_of(spec)
+    return actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id, generation_worker_kwargs(cfg),
+                      actor_options_for(cfg, "actor_infer", is_local_execution()))
+
+
 def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
     """The run's generation actors, serving `policy` (first load or in-place weight update)."""
-    cfg = config_of(spec)
-    workers = actor_pool(
-        GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id, generation_worker_kwargs(cfg),
-        actor_options_for(cfg, "actor_infer", is_local_execution()),
-    )
+    workers = generation_actors(spec)
     ray.get([w.load.remote(spec, policy.key) for w in workers])
     return workers
 

@@ -23,7 +23,7 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution, kill_pool
-from infra.resources import actor_options, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, task_resources
 from tasks.common import check_columns, config_of, console, fetch_cached, stage
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import RewardWorker
@@ -46,7 +46,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     cfg = config_of(spec)
     n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
     models = {"judge": cfg.reward.judge.model_dump(), "reward_model": cfg.reward.reward_model.model_dump()}
-    opts = actor_options("scoring", is_local_execution())
+    opts = actor_options_for(cfg, "reward", is_local_execution())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
     workers = actor_pool(RewardWorker, role, n, spec.run_id, {}, opts)
@@ -107,10 +107,9 @@ def _refill_sources(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef | None, d
     used as they are: the rollout has just loaded that policy into them."""
     from engines.datasets import decode_nested
     from infra import tracking
-    from tasks.rollout import generation_pool
+    from tasks.rollout import generation_actors, generation_pool
     from tasks.training import policy_key
 
-    cfg = config_of(spec)
     train_key = dataset.train_key if dataset else \
         tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags["flyroll.dataset.train"]
     (path,) = glob.glob(f"{fetch_cached(spec, train_key)}/*.parquet")
@@ -123,11 +122,7 @@ def _refill_sources(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef | None, d
     if not is_local_execution():
         raise ValueError("dynamic sampling (algorithm.filter_groups) at iteration 1 needs the workflow to pass "
                          "policy= and dataset= to the score task")
-    from tasks.workers import GenerationWorker, generation_worker_kwargs
-
-    workers = actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id,
-                         generation_worker_kwargs(cfg), actor_options("rollout", True))
-    return workers, train
+    return generation_actors(spec), train
 
 
 def _sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int) -> pd.DataFrame:
