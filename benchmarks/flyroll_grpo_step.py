@@ -13,7 +13,9 @@ one iteration) + weight sync (save the policy, `engine.load_weights`).
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
   -> READY {json}      after loading and one warm-up step (after each step, freed heap memory is
-                       returned to the OS: an idle worker holds only its model and optimizer)
+                       returned to the OS: an idle worker holds only its model and optimizer. Within
+                       a step freed memory is kept for reuse, as in flyroll's engine actors:
+                       engines/host_memory.py)
   <- STEP <i>          run timed step i (sampling seed 2001+i)
   -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens
   <- EXIT              close the engine and exit
@@ -40,12 +42,14 @@ def build(spec: dict):
     from configs.algorithm import AlgorithmConfig
     from engines.evaluation import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
+    from engines.host_memory import keep_freed_memory
     from engines.modeling import load_policy, save_policy
     from engines.rl_step import prepare_update, table_to_batch
     from engines.synthetic import exact_match_reward
     from engines.training import TorchTrainEngine
 
     torch.set_num_threads(spec["threads"])
+    keep_freed_memory()  # as flyroll's engine actors do (tasks/workers.py)
     model_dir, problems = spec["model_dir"], spec["problems"]
     policy, tok = load_policy(model_dir)
     if spec["engine"] == "hf":

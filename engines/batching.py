@@ -116,12 +116,48 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_e
     logits = response_logits(model, batch, shared_prefix).float()           # [B, T, V]
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logsm = torch.log_softmax(logits, dim=-1)                              # [B, T, V]
-    logp = logsm.gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)     # [B, T]
-    if not with_entropy:
-        return logp, None
-    entropy = -(logsm.exp() * logsm).sum(-1)                               # [B, T]
-    return logp, entropy
+    if with_entropy:
+        return token_logprobs_and_entropy(logits, batch.responses)
+    B, T, V = logits.shape
+    nll = torch.nn.functional.cross_entropy(logits.reshape(B * T, V), batch.responses.reshape(B * T), reduction="none")
+    return -nll.view(B, T), None
+
+
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """log softmax(z)[target] and the entropy of softmax(z) per position. The entropy's
+    exp·mul·sum over [B, T, V] runs without autograd (nothing of it is kept for backward), and the
+    backward is written out from the saved log-softmax: d logp/dz = onehot - p, d H/dz = -p (log p + H)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        logsm = torch.log_softmax(logits, dim=-1)                                    # [B, T, V]
+        logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                   # [B, T]
+        entropy = -torch.exp(logsm).mul_(logsm).sum(-1)                              # [B, T]
+        ctx.save_for_backward(logsm, targets, entropy)
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        if g_logp is None and g_entropy is None:
+            return None, None
+        logsm, targets, entropy = ctx.saved_tensors
+        p = torch.exp(logsm)
+        if g_entropy is None:
+            grad = p.mul_(-g_logp.unsqueeze(-1))
+        else:
+            coef = (logsm + entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1))
+            if g_logp is not None:
+                coef.add_(g_logp.unsqueeze(-1))
+            grad = coef.mul_(p).neg_()
+        if g_logp is not None:
+            grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))
+        return grad, None
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [B, T] of `targets` under softmax(logits [B, T, V]), entropies [B, T]), differentiable."""
+    return _LogProbsAndEntropy.apply(logits, targets)
 
 
 @torch.no_grad()

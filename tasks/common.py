@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import pandas as pd
 from rich.console import Console
@@ -37,12 +39,40 @@ def cache_dir(spec: RunSpec) -> str:
 
 
 def fetch_cached(spec: RunSpec, key: str) -> str:
-    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine."""
+    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine. Fetching
+    version N of one of the run's own series (`runs/<run_id>/policy/v0007`) deletes that series'
+    cached versions older than N-1 (`evict_older_versions`)."""
     dest = os.path.join(cache_dir(spec), key)
     if not os.path.exists(os.path.join(dest, ".complete")):
         store_of(spec).fetch(key, dest, verify=True)
         open(os.path.join(dest, ".complete"), "w").close()
+    evict_older_versions(spec, key)
     return dest
+
+
+_RUN_VERSION = re.compile(r"(runs/.+)/v(\d+)")
+
+
+def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
+    """Delete the local copies of the versions of `key`'s series older than the one before `key`
+    (the store keeps every version: a later fetch of one gets it again). A run's checkpoints are
+    fetched in order, one per iteration, so without this the cache grew by a checkpoint per
+    iteration (13 GB after 8 SmolLM2 iterations). Only the run's own series (`runs/...`); the base
+    model (`models/...`, the reference) stays. Returns the folders deleted."""
+    m = _RUN_VERSION.fullmatch(key)
+    if not m:
+        return []
+    folder, version = os.path.join(cache_dir(spec), m.group(1)), int(m.group(2))
+    deleted = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        old = re.fullmatch(r"v(\d+)", name)
+        if old and int(old.group(1)) < version - 1:
+            path = os.path.join(folder, name)
+            with suppress(FileNotFoundError):  # not complete any more before any file goes
+                os.remove(os.path.join(path, ".complete"))
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
 
 
 def execution_id() -> str:

@@ -13,10 +13,15 @@ import os
 import ray
 
 
-def _threads(n: int) -> None:
+def _engine_process(n: int) -> None:
+    """An engine actor's process set-up: `n` torch threads, and freed memory kept for reuse
+    (engines/host_memory.py: no page faults on every large tensor of every step)."""
     import torch
 
+    from engines.host_memory import keep_freed_memory
+
     torch.set_num_threads(n)
+    keep_freed_memory()
 
 
 def generation_worker_kwargs(cfg) -> dict:
@@ -35,7 +40,7 @@ class GenerationWorker:
     Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None):
-        _threads(threads)
+        _engine_process(threads)
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
 
@@ -154,7 +159,7 @@ class ReferenceWorker:
     current critic's values, on the rollout tokens."""
 
     def __init__(self, threads: int = 1):
-        _threads(threads)
+        _engine_process(threads)
         self.models: dict[str, tuple] = {}  # which ("reference"/"policy"/"critic") -> (key, model)
         self.pad = 0  # the tokenizer's pad id once a policy is loaded (padding is masked: any id works)
 
@@ -206,7 +211,7 @@ class TrainWorker:
     the same arguments: each trains on its shard of every mini-batch, rank 0 returns the checkpoint."""
 
     def __init__(self, threads: int = 1):
-        _threads(threads)
+        _engine_process(threads)
         self.key, self.model, self.tokenizer, self.engine = None, None, None, None
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None

@@ -15,7 +15,7 @@ import torch
 
 from engines.batching import batched_logprobs, collate
 from engines.evaluation import encode_prompts, evaluate
-from engines.generation import Completion, HFGenerationEngine, SamplingParams
+from engines.generation import Completion, HFGenerationEngine, InverseCDFSampler, SamplingParams, sampling_processors
 from engines.modeling import CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, load_policy, save_policy
 from engines.pretrain import supervised_finetune
 from engines.rewards import get_reward, score_isolated
@@ -154,6 +154,37 @@ def test_sampling_covers_the_whole_vocabulary(tiny_policy):
     engine = HFGenerationEngine(model, tok)
     out = engine.generate(encode(tok, ["1+2="]), SamplingParams(n=1000, max_new_tokens=1, seed=0))
     assert {c.token_ids[0] for c in out} == set(range(len(tok)))
+
+
+def _draw_frequencies(processors, logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """Run the processors on `rows` copies of one logits row; frequency of each emitted token."""
+    torch.manual_seed(0)
+    scores = processors(torch.zeros(rows, 1, dtype=torch.long), logits.repeat(rows, 1))
+    assert torch.all((scores == 0).sum(-1) == 1) and torch.all((scores == 0) | (scores == float("-inf")))
+    return torch.bincount(scores.argmax(-1), minlength=logits.shape[-1]).double() / rows
+
+
+def test_inverse_cdf_sampler_draws_from_the_softmax():
+    """Frequencies over 200k draws within 5 standard errors of softmax(logits); a token of
+    probability 0 is never drawn (also not the one after it in the cumulative sum)."""
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.125, 1e-3, 0.124]])
+    logits = torch.log(probs)
+    freq = _draw_frequencies(InverseCDFSampler(), logits, 200_000)
+    p = probs[0].double()
+    assert freq[1] == 0
+    assert torch.all((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / 200_000) + 1e-9), (freq, p)
+
+
+def test_sampling_processors_apply_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    rows = 100_000
+    hot = _draw_frequencies(sampling_processors(SamplingParams(temperature=2.0)), logits, rows)
+    expect = torch.softmax(logits[0].double() / 2.0, -1)
+    assert torch.all((hot - expect).abs() < 0.01), (hot, expect)
+    top2 = _draw_frequencies(sampling_processors(SamplingParams(top_k=2)), logits, rows)
+    assert top2[2] == top2[3] == 0 and abs(top2[0] - 4 / 7) < 0.01
+    nucleus = _draw_frequencies(sampling_processors(SamplingParams(top_p=0.65)), logits, rows)
+    assert nucleus[2] == nucleus[3] == 0 and abs(nucleus[0] - 4 / 7) < 0.01
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -405,3 +436,35 @@ def test_evaluate_with_the_hf_engine(tiny_policy):
     assert 1 <= metrics["length"] <= 4
     assert len(rows) == 4 and set(rows["reward"]) <= {0.0, 1.0}
     assert encode_prompts(tok, ["1+2="]) == encode(tok, ["1+2="])
+
+
+# ================================================================================================
+# engine processes
+# ================================================================================================
+_MMAPPED_BYTES = """
+import ctypes, sys, torch
+from engines.host_memory import keep_freed_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MallInfo2
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+x = torch.ones(64 * 2**20 // 4)           # a 64 MiB tensor: above glibc's largest mmap threshold
+print(kept, libc.mallinfo2().hblkhd)      # bytes held in mmap'd blocks
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_engine_processes_serve_large_tensors_from_the_heap(mode):
+    """With keep_freed_memory() a 64 MiB tensor comes from the heap (reused after free), not a
+    fresh mmap (unmapped on free and faulted in again next time) as with glibc's defaults."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _MMAPPED_BYTES, mode], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kept, mmapped = r.stdout.split()[-2:]
+    if mode == "keep":
+        assert kept == "True" and int(mmapped) < 64 * 2**20
+    else:
+        assert int(mmapped) >= 64 * 2**20
+

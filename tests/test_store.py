@@ -216,3 +216,30 @@ def test_transient_errors_are_retried_with_backoff(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):  # not transient: raised at once, no sleep
         store._retry("op on x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
     assert sleeps == [0.5, 1.0]
+
+
+def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, monkeypatch):
+    """tasks/common.py fetch_cached: fetching policy v3 deletes the cached v1 (not v2, not the base
+    model under models/, not another series); a deleted version is fetched again on demand."""
+    from infra.store import ArtifactStore
+    from tasks.common import fetch_cached
+    from tasks.types import RunSpec
+
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    store = ArtifactStore(str(tmp_path / "store"))
+    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
+                   tracking_uri="", mlflow_run_id="")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(b"x" * 100)
+    keys = ["models/base/v0000", "runs/r1/critic/v0001"] + [f"runs/r1/policy/v{i:04d}" for i in (1, 2, 3)]
+    for key in keys:
+        store.publish(str(src), key, kind="checkpoint", producer="test")
+    for key in keys:
+        assert open(os.path.join(fetch_cached(spec, key), "w.bin"), "rb").read() == b"x" * 100
+    cached = lambda series: sorted(p.name for p in (tmp_path / "cache" / "r1" / series).iterdir())
+    assert cached("runs/r1/policy") == ["v0002", "v0003"]
+    assert cached("runs/r1/critic") == ["v0001"] and cached("models/base") == ["v0000"]
+    again = fetch_cached(spec, "runs/r1/policy/v0001")  # an old version: fetched again (v0003 stays: newer)
+    assert open(os.path.join(again, "w.bin"), "rb").read() == b"x" * 100
+    assert cached("runs/r1/policy") == ["v0001", "v0002", "v0003"]

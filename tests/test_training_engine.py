@@ -14,7 +14,7 @@ import torch
 from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
 from engines.algorithms.objective import actor_loss
-from engines.batching import batched_logprobs, collate, response_logprobs
+from engines.batching import batched_logprobs, collate, response_logprobs, token_logprobs_and_entropy
 from engines.modeling import SPECIAL_TOKENS
 from engines.synthetic import make_problems
 from engines.training import TorchTrainEngine, split_by_tokens
@@ -60,6 +60,30 @@ def test_response_logprobs_ignore_padding(tiny_policy):
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
             torch.testing.assert_close(logp[i, : len(r)], want, atol=1e-5, rtol=0)
     assert ((ent >= 0) & (ent <= torch.log(torch.tensor(float(len(tok)))) + 1e-5)).all()
+
+
+@pytest.mark.parametrize("use", ["logp", "entropy", "both"])
+def test_fused_logprobs_and_entropy_match_log_softmax(use):
+    """Values and gradients of token_logprobs_and_entropy equal log_softmax + gather and
+    -(p log p).sum (float64), whichever outputs the loss uses; torch's gradcheck agrees too."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 6, 50, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 50, (4, 6))
+    w_lp, w_h = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+
+    def loss(lp, h):
+        return {"logp": (w_lp * lp).sum(), "entropy": (w_h * h).sum(), "both": (w_lp * lp).sum() + (w_h * h).sum()}[use]
+
+    lp, h = token_logprobs_and_entropy(logits, targets)
+    (grad,) = torch.autograd.grad(loss(lp, h), logits)
+    ls = torch.log_softmax(logits, -1)
+    ref_lp, ref_h = ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
+    (ref_grad,) = torch.autograd.grad(loss(ref_lp, ref_h), logits)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+    small = logits[:2, :3, :7].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: token_logprobs_and_entropy(z, targets[:2, :3] % 7), (small,))
 
 
 # ================================================================================================

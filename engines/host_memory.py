@@ -1,0 +1,29 @@
+"""Host (CPU) memory of an engine process: keep freed blocks for reuse.
+
+glibc's malloc serves every block above its mmap threshold (at most 32 MB) with a fresh `mmap` and
+unmaps it on `free`, so each large tensor of a step -- a micro-batch's [B, T, V] logits, activations,
+gradients, a rollout's logits -- is faulted in page by page again, every step: ~60 ms per 200 MB
+tensor on a 2-core machine. For SmolLM2's GRPO step (8 x 8 samples, 32 new tokens) that was ~0.4 s
+of the rollout and ~0.6 s of the update (`benchmarks/README.md`). `keep_freed_memory()` turns the
+mmap path off and raises the trim threshold, so freed blocks stay in the heap and the next step
+reuses them; `malloc_trim(0)` (benchmarks/worker_memory.py) still hands free memory back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc <malloc.h>
+_TRIM_THRESHOLD = 2**31 - 1              # an int: free memory above 2 GiB at the heap top is returned
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Tell glibc malloc (Linux) to keep freed memory for reuse; once per process. False where the
+    C library is not glibc (nothing changes there)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
