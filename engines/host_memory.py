@@ -5,8 +5,9 @@ unmaps it on `free`, so each large tensor of a step -- a micro-batch's [B, T, V]
 gradients, a rollout's logits -- is faulted in page by page again, every step: ~60 ms per 200 MB
 tensor on a 2-core machine. For SmolLM2's GRPO step (8 x 8 samples, 32 new tokens) that was ~0.4 s
 of the rollout and ~0.6 s of the update (`benchmarks/README.md`). `keep_freed_memory()` turns the
-mmap path off and raises the trim threshold, so freed blocks stay in the heap and the next step
-reuses them; `malloc_trim(0)` (benchmarks/worker_memory.py) still hands free memory back.
+mmap path off and turns automatic trimming off, so freed blocks stay in the heap and the next step
+reuses them: the process holds its peak heap between steps. `malloc_trim(0)`
+(benchmarks/worker_memory.py) still hands free memory back when asked.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc <malloc.h>
-_TRIM_THRESHOLD = 2**31 - 1              # an int: free memory above 2 GiB at the heap top is returned
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc <malloc.h>; mallopt(3): a trim threshold of -1 never trims
 
 
 @functools.cache
@@ -24,6 +24,6 @@ def keep_freed_memory() -> bool:
     C library is not glibc (nothing changes there)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, -1))
     except (OSError, AttributeError):
         return False
