@@ -4,10 +4,10 @@ glibc's malloc serves every block above its mmap threshold (at most 32 MB) with 
 unmaps it on `free`, so each large tensor of a step -- a micro-batch's [B, T, V] logits, activations,
 gradients, a rollout's logits -- is faulted in page by page again, every step: ~60 ms per 200 MB
 tensor on a 2-core machine. For SmolLM2's GRPO step (8 x 8 samples, 32 new tokens) that was ~0.4 s
-of the rollout and ~0.6 s of the update (`benchmarks/README.md`). `keep_freed_memory()` turns the
-mmap path off and turns automatic trimming off, so freed blocks stay in the heap and the next step
-reuses them: the process holds its peak heap between steps. `malloc_trim(0)`
-(benchmarks/worker_memory.py) still hands free memory back when asked.
+of the rollout and ~0.6 s of the update (docs/benchmarks.md, benchmarks/cpu_step_costs.py).
+`keep_freed_memory()` turns the mmap path off and turns automatic trimming off, so freed blocks stay
+in the heap and the next step reuses them: the process holds its peak heap between steps.
+`malloc_trim(0)` (benchmarks/worker_memory.py) still hands free memory back when asked.
 """
 
 from __future__ import annotations
