@@ -14,8 +14,12 @@ token of the batch; attention's quadratic FLOPs are left out (~9% more at 1k tok
 shape), so the MFU here is a slight underestimate.
 
 Generation: `engines/generation.py HFGenerationEngine` (transformers `generate`, KV cache, per-token
-log-probs over the full vocabulary), 64 random prompts of 128 tokens, 128 new tokens each,
-temperature 1, bf16: generated tokens/s.
+log-probs over the full vocabulary), temperature 1, bf16, generated tokens/s, in two shapes: 64
+random prompts of 128 tokens, one sample each, 128 new tokens; and GRPO's shape, 16 prompts x 8
+samples (the prompt prefilled once and its KV cache shared by the group), 128 new tokens.
+
+Also measured: this GPU's bf16 matmul rate (8192^3, the mean of 10 after 3 warm-ups), printed
+beside the datasheet peak so the MFU can be read against either.
 
 Peak dense bf16 FLOP/s: H200 and H100 SXM 989 TFLOP/s (NVIDIA's datasheet, without sparsity);
 A100 312. Another GPU: --peak-tflops.
@@ -27,6 +31,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -35,8 +40,9 @@ SMOKE_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 TRAIN_SHAPES = [(16, 1024), (32, 2048)]   # (sequences, tokens per sequence)
-GEN_SHAPE = (64, 128, 128)                 # (prompts, prompt tokens, new tokens)
-SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPE = [(2, 32)], (4, 8, 8)
+GEN_SHAPES = [(64, 1, 128, 128), (16, 8, 128, 128)]   # (prompts, samples per prompt, prompt tokens, new tokens)
+SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPES = [(2, 32)], [(4, 1, 8, 8), (2, 2, 8, 8)]
+# the group shape again with transformers' compiled decode (GPU only; the last of GEN_SHAPES)
 
 
 class _IdTokenizer:
@@ -84,6 +90,16 @@ def time_steps(fn, device, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def isolated(what: str, shape: str, measure) -> dict:
+    """`measure()`'s row, or a row naming the error (printed with its traceback): one failing
+    measurement does not lose the others of a run on a lent GPU."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 (reported in the table and the exit status)
+        traceback.print_exc()
+        return {"what": what, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int) -> list[dict]:
     import torch
 
@@ -107,7 +123,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
         def grpo_step():
             engine.train_step(batch, adv, old, None, cfg, mini_batch_size=B, max_tokens_per_micro_batch=micro_tokens)
 
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as the engine's (fused on plain tensors)
         rows_per_micro = max(1, micro_tokens // S)
         dev_ids = ids.to(device)
 
@@ -119,34 +135,60 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
             opt.step()
 
         for name, fn in (("train: causal-LM CE step", ce_step), ("train: flyroll GRPO step", grpo_step)):
-            dt = time_steps(fn, device, warmup, steps)
-            rows.append({"what": name, "shape": f"{B} x {S} tok", "s": dt, "tokens": B * S, "tokens_per_s": B * S / dt,
-                         "flops": 6 * n_params(model) * B * S})
+            def row(fn=fn, name=name):
+                dt = time_steps(fn, device, warmup, steps)
+                return {"what": name, "shape": f"{B} x {S} tok", "s": dt, "tokens": B * S, "tokens_per_s": B * S / dt,
+                        "flops": 6 * n_params(model) * B * S}
+            rows.append(isolated(name, f"{B} x {S} tok", row))
         if device.type == "cuda":  # the next shape's optimizers replace these (the closures share their names)
             torch.cuda.empty_cache()
     return rows
 
 
-def generation_row(model, shape, device, steps: int) -> dict:
+def generation_row(model, shape, device, steps: int, compile_decode: bool = False) -> dict:
+    """Generated tokens/s of `steps` generate calls after a warm-up call (timed apart: with
+    `compile_decode` it compiles); compiled, one more call with prompts of another width whose
+    cache length falls in the same bucket (fast = the compiled graph was reused)."""
     import torch
 
-    from engines.generation import HFGenerationEngine, SamplingParams
+    from engines.generation import CACHE_BUCKET, HFGenerationEngine, SamplingParams
 
-    n_prompts, prompt_len, new = shape
+    n_prompts, n, prompt_len, new = shape
     V = model.config.vocab_size
-    engine = HFGenerationEngine(model, _IdTokenizer(V), micro_batch=n_prompts)
+    engine = HFGenerationEngine(model, _IdTokenizer(V), micro_batch=n_prompts, compile_decode=compile_decode)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, V - 1, (n_prompts, prompt_len), generator=g).tolist()
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=new, seed=0)
-    engine.generate(prompts, params)  # warm-up
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=new, seed=0)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)  # warm-up (and compile)
     sync(device)
+    first = time.perf_counter() - t0
     t0, tokens = time.perf_counter(), 0
     for _ in range(steps):
         tokens += sum(len(c.token_ids) for c in engine.generate(prompts, params))
     sync(device)
     dt = (time.perf_counter() - t0) / steps
-    return {"what": "generate: HF engine", "shape": f"{n_prompts} x {prompt_len}+{new} tok", "s": dt,
-            "tokens": tokens / steps, "tokens_per_s": tokens / steps / dt, "flops": 2 * n_params(model) * tokens / steps}
+    row = {"what": "generate: HF engine" + (", compiled decode" if compile_decode else ""),
+           "shape": f"{n_prompts} x {n} x {prompt_len}+{new} tok", "s": dt, "first_call_s": first,
+           "tokens": tokens / steps, "tokens_per_s": tokens / steps / dt, "flops": 2 * n_params(model) * tokens / steps}
+    if compile_decode:
+        other = [p[: prompt_len - min(16, prompt_len // 2)] for p in prompts]  # narrower prompts,
+        assert (prompt_len + new - 1) // CACHE_BUCKET == (len(other[0]) + new - 1) // CACHE_BUCKET  # same cache bucket
+        t0 = time.perf_counter()
+        engine.generate(other, params)
+        sync(device)
+        row["other_width_call_s"] = time.perf_counter() - t0
+        row["other_width"] = len(other[0])
+    return row
+
+
+def matmul_tflops(device, n: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 GEMM rate of this GPU (n^3 product on random data, mean of `reps` after 3 warm-ups)."""
+    import torch
+
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    dt = time_steps(lambda: a @ b, device, 3, reps)
+    return 2 * n**3 / dt / 1e12
 
 
 def n_params(model) -> int:
@@ -173,38 +215,59 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        shape, train_shapes, gen_shape, warmup, steps, gen_steps = SMOKE_MODEL, SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPE, 1, 1, 1
+        shape, train_shapes, gen_shapes, warmup, steps, gen_steps = SMOKE_MODEL, SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPES, 1, 1, 1
     else:
         if not torch.cuda.is_available():
             print("benchmarks/gpu_mfu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
                   "use --smoke to check the script on CPU", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        shape, train_shapes, gen_shape, warmup, steps, gen_steps = QWEN25_05B, TRAIN_SHAPES, GEN_SHAPE, 2, args.steps, args.gen_steps
+        shape, train_shapes, gen_shapes, warmup, steps, gen_steps = QWEN25_05B, TRAIN_SHAPES, GEN_SHAPES, 2, args.steps, args.gen_steps
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops(name, args.peak_tflops) if device.type == "cuda" else None
     t_start = time.perf_counter()
+    measured = matmul_tflops(device) if device.type == "cuda" else None
     model = build_model(shape, device, dtype)
     N = n_params(model)
-    print(f"device {name}, torch {torch.__version__}, {dtype}, model {'Qwen2.5-0.5B shape' if not args.smoke else 'smoke'} "
-          f"random init, N = {N / 1e6:.1f}M parameters, peak bf16 {peak or '?'} TFLOP/s", flush=True)
+    import transformers
+
+    print(f"device {name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}, "
+          f"model {'Qwen2.5-0.5B shape' if not args.smoke else 'smoke'} random init, N = {N / 1e6:.1f}M parameters, "
+          f"peak bf16 {peak or '?'} TFLOP/s (datasheet), measured 8192^3 bf16 matmul "
+          f"{f'{measured:.0f}' if measured else '?'} TFLOP/s", flush=True)
     rows = train_rows(model, train_shapes, device, warmup, steps, args.micro_tokens)
     if device.type == "cuda":
         print(f"peak GPU memory in training: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
-    rows.append(generation_row(model.eval(), gen_shape, device, gen_steps))
+    model.eval()
+    for gen_shape, compiled in [*((s, False) for s in gen_shapes), (gen_shapes[-1], True)]:
+        rows.append(isolated("generate: HF engine" + (", compiled decode" if compiled else ""), "x".join(map(str, gen_shape)),
+                             lambda: generation_row(model, gen_shape, device, gen_steps, compiled)))
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
         r["tflops"] = r["flops"] / r["s"] / 1e12
         r["mfu"] = r["tflops"] / peak if peak else None
-    print(f"\n| what | batch | s | tokens/s | TFLOP/s | MFU (6N/2N, peak {peak or '?'}) |\n|---|---|---:|---:|---:|---:|")
+        r["of_measured"] = r["tflops"] / measured if measured else None
+    pct = lambda x: "—" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    print(f"\n| what | batch | s | tokens/s | TFLOP/s | MFU (6N/2N, peak {peak or '?'}) | of measured matmul "
+          f"({f'{measured:.0f}' if measured else '?'}) |\n|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        mfu = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        print(f"| {r['what']} | {r['shape']} | {r['s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} |")
+        print(f"| {r['what']} | {r['shape']} | {r['s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
+              f"{pct(r['mfu'])} | {pct(r['of_measured'])} |")
+    for r in rows:
+        if "first_call_s" in r:
+            print(f"{r['what']}, {r['shape']}: first call {r['first_call_s']:.1f} s"
+                  + (f"; a call with {r['other_width']}-token prompts (same cache bucket) {r['other_width_call_s']:.2f} s"
+                     if "other_width" in r else ""))
+    for r in failed:
+        print(f"| {r['what']} | {r['shape']} | failed: {r['error']} | | | | |")
     print(f"\n(generation MFU uses 2N FLOPs per generated token; total {time.perf_counter() - t_start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "params": N, "peak_tflops": peak, "rows": rows}, f, indent=1)
-    return 0
+            json.dump({"device": name, "params": N, "peak_tflops": peak, "measured_matmul_tflops": measured, "rows": rows,
+                       "failed": failed}, f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -71,14 +71,24 @@ def sampling_processors(params: SamplingParams) -> LogitsProcessorList:
     return LogitsProcessorList([*warpers, InverseCDFSampler()])
 
 
-class HFGenerationEngine:
-    """transformers `generate` on one process; `micro_batch` prompts × n samples per call."""
+CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
 
-    def __init__(self, model, tokenizer, micro_batch: int = 64, shared_prefill: bool = True):
+
+class HFGenerationEngine:
+    """transformers `generate` on one process; `micro_batch` prompts × n samples per call.
+
+    `compile_decode`: transformers' compiled decode (torch.compile, CUDA graphs) over the static KV
+    cache of group sampling (n > 1 with `shared_prefill`). transformers compiles on GPUs only, so it
+    changes nothing on CPU. Each new shape (rows, cache length rounded up to CACHE_BUCKET) compiles
+    once: ~25-30 s for Qwen2.5-0.5B's shape on an H200, then decode ran 3.9x faster there
+    (docs/benchmarks.md, GPU section)."""
+
+    def __init__(self, model, tokenizer, micro_batch: int = 64, shared_prefill: bool = True, compile_decode: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.micro_batch = micro_batch
         self.shared_prefill = shared_prefill
+        self.compile_decode = compile_decode
 
     def load_weights(self, model_dir: str) -> None:
         """In-place weight update from a model directory (same architecture), no engine restart."""
@@ -111,6 +121,7 @@ class HFGenerationEngine:
         for i, p in enumerate(prompts):  # left padding
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(self.model.device), attention.to(self.model.device)
         greedy = params.temperature <= 0
         n_return, cache = params.n, {}
         if params.n > 1 and self.shared_prefill and width > 1:
@@ -136,7 +147,7 @@ class HFGenerationEngine:
             tokenizer=tok if params.stop else None,
             return_dict_in_generate=True,
             output_logits=True,
-            disable_compile=True,  # (transformers would compile the forward on GPUs for a static cache)
+            disable_compile=not self.compile_decode,  # (else transformers compiles the forward on GPUs for a static cache)
         )
         seqs = gen.sequences[:, width:]                                       # [B*n, T]
         scale = 1.0 if greedy else 1.0 / params.temperature                  # step by step: no [B*n, T, V] copies
@@ -176,7 +187,10 @@ class HFGenerationEngine:
         from engines.batching import prefill
 
         _, arg, prompt_cache = prefill(self.model, input_ids, attention)
-        cache = StaticCache(config=self.model.config, max_cache_len=input_ids.shape[1] + 1 + max_new_tokens)
+        length = input_ids.shape[1] + 1 + max_new_tokens
+        if self.compile_decode:  # prompt widths of one bucket share a compiled graph
+            length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
         for i, layer in enumerate(prompt_cache.layers):
             cache.update(layer.keys.repeat_interleave(n, dim=0), layer.values.repeat_interleave(n, dim=0), i)
         return {arg: cache}

@@ -28,7 +28,7 @@ def generation_worker_kwargs(cfg) -> dict:
     """GenerationWorker's constructor arguments from a FlyrollConfig (the same for every task that
     creates the run's generation actors)."""
     r = cfg.rollout
-    return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine,
+    return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine, "compile_decode": r.hf_compile_decode,
             "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed} if r.engine == "vllm" else {}}
 
 
@@ -39,9 +39,11 @@ class GenerationWorker:
     vLLM runs its engine core inside this actor (VLLM_ENABLE_V1_MULTIPROCESSING=0: no process outside
     Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
 
-    def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None):
+    def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
+                 compile_decode: bool = False):
         _engine_process(threads)
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
+        self.compile_decode = compile_decode
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
 
     def load(self, spec, key: str) -> str:
@@ -73,7 +75,7 @@ class GenerationWorker:
         from engines.modeling import load_policy
 
         model, tokenizer = load_policy(model_dir)
-        return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch), tokenizer
+        return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode), tokenizer
 
     def sleep(self) -> None:
         """Free the engine's memory until its next call, between rollouts (vLLM on GPU: weights

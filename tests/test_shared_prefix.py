@@ -131,3 +131,31 @@ def test_generation_with_one_prefill_per_prompt_gives_the_same_samples(model, ti
     for a, b in zip(shared, every):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)  # float summation order only
+
+
+def test_compiled_decode_rounds_the_static_cache_up_and_keeps_the_samples(model, tiny_policy, monkeypatch):
+    """`compile_decode` rounds the group's static KV cache up to CACHE_BUCKET tokens (so prompt
+    widths share a compiled graph on GPUs; on CPU transformers compiles nothing): the extra slots
+    are masked, so the samples and log-probs equal the exact-length cache's."""
+    from transformers import StaticCache
+
+    from engines.generation import CACHE_BUCKET, HFGenerationEngine, SamplingParams
+
+    tok = tiny_policy[1]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["1+2=", "rev abcdef=", "9-3+4-1="]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=7)
+    lengths = []
+    real_init = StaticCache.__init__
+
+    def spy(self, *args, **kwargs):
+        lengths.append(kwargs["max_cache_len"])
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticCache, "__init__", spy)
+    compiled = HFGenerationEngine(model, tok, compile_decode=True).generate(prompts, params)
+    exact = HFGenerationEngine(model, tok).generate(prompts, params)
+    width = max(map(len, prompts))
+    assert lengths == [CACHE_BUCKET, width + 10]
+    assert [c.token_ids for c in compiled] == [c.token_ids for c in exact]
+    for a, b in zip(compiled, exact):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
