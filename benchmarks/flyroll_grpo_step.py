@@ -4,7 +4,7 @@ at a time so the benchmark can alternate them with TRL's.
   python benchmarks/flyroll_grpo_step.py SPEC.json      # from the repository root (PYTHONPATH=.)
 
 SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
-[{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb.
+[{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb, release_memory.
 
 One step = rollout (len(problems) x samples completions, temperature 1, per-token log-probs)
 + scoring (exact-match reward, rollout table, GRPO advantages, collation) + training (one AdamW
@@ -12,12 +12,13 @@ update, token-mean, no KL: the behaviour log-probs are the old log-probs, as TRL
 one iteration) + weight sync (save the policy, `engine.load_weights`).
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
-  -> READY {json}      after loading and one warm-up step (after each step, freed heap memory is
-                       returned to the OS: an idle worker holds only its model and optimizer. Within
-                       a step freed memory is kept for reuse, as in flyroll's engine actors:
-                       engines/host_memory.py)
+  -> READY {json}      after loading and one warm-up step. Freed memory is kept for reuse within and
+                       between steps, as in flyroll's engine actors (engines/host_memory.py); with
+                       release_memory it is returned to the OS after each step instead (outside the
+                       timed step), so the idle worker holds only its model and optimizer
   <- STEP <i>          run timed step i (sampling seed 2001+i)
-  -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens
+  -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens, rss_gb, peak_rss_gb
+                       (resident memory between steps and the peak so far)
   <- EXIT              close the engine and exit
 """
 
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from worker_memory import release_memory  # benchmarks/worker_memory.py, next to this script
+from worker_memory import release_memory, rss_gb  # benchmarks/worker_memory.py, next to this script
 
 
 def build(spec: dict):
@@ -110,16 +111,17 @@ def main(spec_path: str) -> None:
     try:
         t0 = time.perf_counter()
         step, close = build(spec)
+        between_steps = release_memory if spec.get("release_memory") else (lambda: None)
         warm = step(seed=2000)
-        release_memory()
-        proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t0, "warmup": warm}) + "\n")
+        between_steps()
+        proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t0, "warmup": warm | rss_gb()}) + "\n")
         for line in sys.stdin:
             cmd = line.split()
             if not cmd or cmd[0] == "EXIT":
                 break
             result = step(seed=2001 + int(cmd[1]))
-            release_memory()
-            proto.write("RESULT " + json.dumps(result) + "\n")
+            between_steps()
+            proto.write("RESULT " + json.dumps(result | rss_gb()) + "\n")
         close()
     except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail
         proto.write("ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")

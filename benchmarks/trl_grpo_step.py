@@ -11,9 +11,11 @@ optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.
 
 Protocol (as benchmarks/flyroll_grpo_step.py; stdout carries only these lines):
   -> READY {json}      after loading and the warm-up step (after each step, freed heap memory is
-                       returned to the OS, as flyroll's worker does)
+                       returned to the OS: glibc's own trimming aside, TRL's idle process holds only
+                       its model and optimizer)
   <- STEP <i>          run the next step (the trainer waits for it in on_step_begin)
-  -> RESULT {json}     s, samples, tokens (completion tokens counted in the reward function)
+  -> RESULT {json}     s, samples, tokens (completion tokens counted in the reward function), rss_gb,
+                       peak_rss_gb
   <- EXIT              stop
 """
 
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from worker_memory import release_memory  # benchmarks/worker_memory.py, next to this script
+from worker_memory import release_memory, rss_gb  # benchmarks/worker_memory.py, next to this script
 
 
 def main(spec_path: str) -> None:
@@ -73,6 +75,7 @@ def main(spec_path: str) -> None:
         def on_step_end(self, args, state, control, **kw):
             r = {"s": time.perf_counter() - self.t0, "samples": B * G, "tokens": step_tokens[0]}
             release_memory()
+            r |= rss_gb()
             if state.global_step == 1:
                 proto.write("READY " + json.dumps({"load_and_warmup_s": time.perf_counter() - t_start, "warmup": r}) + "\n")
             else:

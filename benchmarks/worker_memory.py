@@ -11,3 +11,14 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def rss_gb() -> dict:
+    """This process's resident memory now and its peak so far (GiB, /proc/self/status), or {} where
+    there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+    except OSError:
+        return {}
+    return {"rss_gb": int(kb["VmRSS"].split()[0]) / 2**20, "peak_rss_gb": int(kb["VmHWM"].split()[0]) / 2**20}

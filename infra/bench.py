@@ -57,6 +57,9 @@ def summarise(steps: list[dict]) -> dict:
     for k in STEP_PARTS:
         if all(k in s for s in steps):
             out[k] = sum(s[k] for s in steps) / len(steps)
+    for k in ("rss_gb", "peak_rss_gb"):  # resident memory between steps, and the peak
+        if all(k in s for s in steps):
+            out[k] = max(s[k] for s in steps)
     return out
 
 
@@ -269,16 +272,18 @@ def print_comparison(rows: list[dict], args) -> None:
 
     t = Table(title=f"GRPO step, {args.prompts} prompts x {args.samples} samples, max_new_tokens={args.max_new}, "
                     f"lr={args.lr:g}, threads={args.threads}, {args.batches} timed steps each (alternating)")
-    for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok"):
+    for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok",
+                "RSS idle / peak GiB"):
         t.add_column(col, justify="left" if col in ("model", "system") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 6)
+            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 7)
             continue
         parts = " / ".join(fmt(r.get(k), ".2f") for k in STEP_PARTS) if "gen_s" in r else "—"
         system = f"{r['system']} (with {r['pair']})" if r["system"] == TRL_SYSTEM and r.get("pair") else r["system"]
         t.add_row(r["model"], system, fmt(r["samples_per_s"]), fmt(r["tokens_per_s"]),
-                  fmt(r.get("samples_ratio"), ".2f", "x"), fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]))
+                  fmt(r.get("samples_ratio"), ".2f", "x"), fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]),
+                  f"{fmt(r.get('rss_gb'))} / {fmt(r.get('peak_rss_gb'))}")
     Console(width=max(150, shutil.get_terminal_size().columns)).print(t)
 
 
@@ -295,6 +300,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of every system")
     ap.add_argument("--micro-tokens", type=int, default=4096, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
     ap.add_argument("--kv-cache-gb", type=float, default=1, help="flyroll vllm: KV cache GiB")
+    ap.add_argument("--flyroll-memory", choices=("release", "keep"), default="release",
+                    help="flyroll's worker between steps: return its freed heap to the OS, as TRL's worker does (default), "
+                         "or keep it, as flyroll's engine actors do (then TRL's steps slow down on this VM; docs/benchmarks.md)")
     ap.add_argument("--no-trl", action="store_true", help="skip TRL (no TRL environment needed)")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side comparison (with --pipeline: the breakdown only)")
     ap.add_argument("--trl-venv", default=str(REPO / ".venv-trl"), help="TRL's environment, created here when missing")
@@ -359,7 +367,7 @@ def cli_main(argv: list[str]) -> int:
         model_dir, chat = model_dirs[name]
         spec = {"model_dir": model_dir, "chat": chat, "problems": problems, "samples": args.samples, "max_new": args.max_new,
                 "batches": args.batches, "threads": args.threads, "lr": args.lr, "micro_tokens": args.micro_tokens,
-                "kv_cache_gb": args.kv_cache_gb}
+                "kv_cache_gb": args.kv_cache_gb, "release_memory": args.flyroll_memory == "release"}
         for group in groups:
             rows += compare_model(name, group, spec, args, workdir)
             dump()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ def test_bad_options_are_named():
         parse_args(["--engines", "sglang"])
     args = parse_args(["--models", "tiny", "--engines", "hf", "--batches", "2"])
     assert (args.models, args.engines, args.batches, args.threads, args.max_new) == ("tiny", "hf", 2, 2, 32)
+    assert args.flyroll_memory == "release" and parse_args(["--flyroll-memory", "keep"]).flyroll_memory == "keep"
 
 
 def test_summarise_is_totals_over_time_not_a_mean_of_rates():
@@ -42,6 +44,22 @@ def test_summarise_is_totals_over_time_not_a_mean_of_rates():
     assert s["gen_s"] == pytest.approx(3.0)
     assert s["mean_response_tokens"] == pytest.approx(12.5)
     assert "gen_s" not in summarise([{"s": 1.0, "samples": 8, "tokens": 8}])  # TRL reports no parts
+
+
+def test_summarise_reports_the_largest_resident_memory_of_the_steps():
+    steps = [{"s": 1.0, "samples": 8, "tokens": 8, "rss_gb": 3.0, "peak_rss_gb": 8.0},
+             {"s": 1.0, "samples": 8, "tokens": 8, "rss_gb": 2.5, "peak_rss_gb": 8.5}]
+    s = summarise(steps)
+    assert (s["rss_gb"], s["peak_rss_gb"]) == (3.0, 8.5)
+    assert "rss_gb" not in summarise([{"s": 1.0, "samples": 8, "tokens": 8}])  # no /proc: no column value
+
+
+def test_worker_rss_is_read_from_proc(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))  # as the worker scripts find it
+    from worker_memory import rss_gb
+
+    r = rss_gb()
+    assert 0.01 < r["rss_gb"] <= r["peak_rss_gb"] < 64  # this pytest process: tens of MB to a few GB
 
 
 def test_ratios_are_against_trl_of_the_same_model_and_pair():
