@@ -38,14 +38,21 @@ def cache_dir(spec: RunSpec) -> str:
     return os.path.join(root, spec.run_id.replace("/", "_"))
 
 
-def fetch_cached(spec: RunSpec, key: str) -> str:
-    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine. Fetching
-    version N of one of the run's own series (`runs/<run_id>/policy/v0007`) deletes that series'
-    cached versions older than N-1 (`evict_older_versions`)."""
+TRAINING_ONLY = ("trainer_state.pt", "critic/")  # what only a trainer (or a critic) reads from a checkpoint
+_MARKERS = (".complete", ".complete-weights")     # every file / every file but TRAINING_ONLY
+
+
+def fetch_cached(spec: RunSpec, key: str, weights_only: bool = False) -> str:
+    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine.
+    `weights_only`: without TRAINING_ONLY's files (generation and log-prob actors: SmolLM2's
+    optimizer state is 1.1 of its 1.6 GB); a later full fetch of the same version adds them.
+    Fetching version N of one of the run's own series (`runs/<run_id>/policy/v0007`) deletes that
+    series' cached versions older than N-1 (`evict_older_versions`)."""
     dest = os.path.join(cache_dir(spec), key)
-    if not os.path.exists(os.path.join(dest, ".complete")):
-        store_of(spec).fetch(key, dest, verify=True)
-        open(os.path.join(dest, ".complete"), "w").close()
+    full, weights = (os.path.join(dest, m) for m in _MARKERS)
+    if not (os.path.exists(full) or (weights_only and os.path.exists(weights))):
+        store_of(spec).fetch(key, dest, verify=True, skip=TRAINING_ONLY if weights_only else ())
+        open(weights if weights_only else full, "w").close()
     evict_older_versions(spec, key)
     return dest
 
@@ -68,8 +75,9 @@ def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
         old = re.fullmatch(r"v(\d+)", name)
         if old and int(old.group(1)) < version - 1:
             path = os.path.join(folder, name)
-            with suppress(FileNotFoundError):  # not complete any more before any file goes
-                os.remove(os.path.join(path, ".complete"))
+            for marker in _MARKERS:  # not complete any more before any file goes
+                with suppress(FileNotFoundError):
+                    os.remove(os.path.join(path, marker))
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
     return deleted

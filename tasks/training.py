@@ -54,14 +54,15 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int)
         ray.get([w.load.remote(spec, policy.key, tcfg, acfg) for w in workers])
         train_actor = acfg["advantage"] != "gae" or iteration > acfg["critic_warmup_iterations"]
         table = batch if len(workers) == 1 else ray.put(batch)  # every rank reads the one stored copy
+        out = tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}{iteration:04d}-")  # removed by publish_weights
+        here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
         (step_metrics, files), *_ = ray.get(
             [w.step.remote(table, acfg, tcfg, cfg.rollout.temperature or 1.0, cfg.run.seed * 7919 + iteration,
-                           policy_key(spec, iteration), train_actor) for w in workers]
+                           policy_key(spec, iteration), train_actor, here) for w in workers]
         )
         metrics.update(step_metrics)
         metrics["training/workers"] = float(len(workers))
-        out = tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}{iteration:04d}-")  # removed by publish_weights
-        for rel, data in files.items():
+        for rel, data in files.items():  # rank 0 on another node: its files came back as bytes
             path = os.path.join(out, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:

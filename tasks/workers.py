@@ -52,7 +52,7 @@ class GenerationWorker:
             return "cached"
         from tasks.common import fetch_cached
 
-        model_dir = fetch_cached(spec, key)
+        model_dir = fetch_cached(spec, key, weights_only=True)
 
         if self.engine is None:
             self.engine, self.tokenizer = self._build(model_dir)
@@ -178,7 +178,7 @@ class ReferenceWorker:
 
             self.models[which] = (key, critic_for_checkpoint(fetch_cached(spec, key)).eval())
             return
-        model, tok = load_policy(fetch_cached(spec, key))
+        model, tok = load_policy(fetch_cached(spec, key, weights_only=True))
         self.models[which] = (key, model.eval())
         self.pad = tok.pad_token_id
 
@@ -270,10 +270,15 @@ class TrainWorker:
         return "loaded"
 
     def step(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int, next_key: str,
-             train_actor: bool = True) -> tuple[dict, dict[str, bytes]]:
+             train_actor: bool = True, out: tuple[str, str] | None = None) -> tuple[dict, dict[str, bytes]]:
         """One update (critic, then actor unless `train_actor` is False: critic warmup) on a scored
         table; returns (metrics, checkpoint files as bytes, the critic under critic/). Under a
-        multi-process strategy every rank returns the same metrics and only rank 0 the files."""
+        multi-process strategy every rank returns the same metrics and only rank 0 the files.
+
+        `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, the
+        checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
+        otherwise cost a read-back, two copies through the object store and the caller's write,
+        ~5-10 s an iteration here); on another node the bytes do."""
         import tempfile
 
         import torch
@@ -310,11 +315,18 @@ class TrainWorker:
             critic_weights = self.critic_engine.strategy.full_state_dict()
         if self.rank != 0:
             return metrics, {}
-        with tempfile.TemporaryDirectory() as d:
+
+        def save(d: str) -> None:
             save_policy(self.model, self.tokenizer, d, state_dict=weights)
             if self.critic_engine is not None:
                 save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
             torch.save(trainer_state, os.path.join(d, "trainer_state.pt"))
+
+        if out is not None and out[0] == ray.get_runtime_context().get_node_id():
+            save(out[1])
+            return metrics, {}
+        with tempfile.TemporaryDirectory() as d:
+            save(d)
             files = {}
             for root, _, names in os.walk(d):
                 for n in names:

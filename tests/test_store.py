@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +244,35 @@ def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, mon
     again = fetch_cached(spec, "runs/r1/policy/v0001")  # an old version: fetched again (v0003 stays: newer)
     assert open(os.path.join(again, "w.bin"), "rb").read() == b"x" * 100
     assert cached("runs/r1/policy") == ["v0001", "v0002", "v0003"]
+
+
+def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypatch):
+    """Generation and log-prob actors fetch a checkpoint without trainer_state.pt and critic/
+    (SmolLM2's optimizer state is 1.1 of its 1.6 GB); a trainer's full fetch of the same cached
+    version then adds them; eviction drops both kinds of cached version."""
+    from infra.store import ArtifactStore
+    from tasks.common import fetch_cached
+    from tasks.types import RunSpec
+
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    store = ArtifactStore(str(tmp_path / "store"))
+    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
+                   tracking_uri="", mlflow_run_id="")
+    src = tmp_path / "src"
+    (src / "critic").mkdir(parents=True)
+    for rel, data in {"model.safetensors": b"w" * 64, "config.json": b"{}", "trainer_state.pt": b"o" * 128,
+                      "critic/model.safetensors": b"c" * 32}.items():
+        (src / rel).write_bytes(data)
+    for v in (1, 2, 3):
+        store.publish(str(src), f"runs/r1/policy/v{v:04d}", kind="checkpoint", producer="test")
+    files = lambda d: sorted(str(p.relative_to(d)) for p in Path(d).rglob("*") if p.is_file() and not p.name.startswith("."))
+
+    light = fetch_cached(spec, "runs/r1/policy/v0001", weights_only=True)
+    assert files(light) == ["config.json", "model.safetensors"]
+    assert fetch_cached(spec, "runs/r1/policy/v0001", weights_only=True) == light  # cached: nothing fetched again
+    full = fetch_cached(spec, "runs/r1/policy/v0001")
+    assert full == light and files(full) == ["config.json", "critic/model.safetensors", "model.safetensors", "trainer_state.pt"]
+    assert (Path(full) / "trainer_state.pt").read_bytes() == b"o" * 128
+    assert files(fetch_cached(spec, "runs/r1/policy/v0002", weights_only=True)) == ["config.json", "model.safetensors"]
+    fetch_cached(spec, "runs/r1/policy/v0003", weights_only=True)  # evicts v0001 (full) and keeps v0002 (weights only)
+    assert sorted(p.name for p in (tmp_path / "cache" / "r1" / "runs/r1/policy").iterdir()) == ["v0002", "v0003"]

@@ -237,6 +237,44 @@ def test_ddp_train_workers_on_ray_match_one_worker(ray_cluster, tiny_policy, tmp
         assert set(s1["critic"]["optimizer"]["state"]) == set(s2["critic"]["optimizer"]["state"])
 
 
+def test_train_worker_writes_the_checkpoint_itself_on_the_callers_node(ray_cluster, tiny_policy, tmp_path, monkeypatch):
+    """tasks/training.py passes (its node id, a folder): a rank 0 on that node saves the checkpoint
+    into the folder and returns no bytes; on another node the bytes come back. Same files, same
+    bytes (two fresh workers, same data and seed)."""
+    import ray
+    from safetensors.torch import load as load_safetensors
+
+    from engines.modeling import save_policy
+    from infra.store import ArtifactStore
+    from tasks.types import RunSpec
+    from tasks.workers import TrainWorker
+
+    model, tok = tiny_policy
+    ArtifactStore(str(tmp_path / "store")).publish(save_policy(model, tok, str(tmp_path / "base")), "models/base",
+                                                   kind="checkpoint", producer="test")
+    table = _scored_table(model, tok)
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = parse_config({"run": {"torch_threads": 1}, "training": {"mini_batch_size": 15, "max_tokens_per_micro_batch": 40}})
+    spec = RunSpec(cfg.to_json(), cfg.hash(), f"direct-{os.getpid()}", str(tmp_path / "store"), "", "")
+    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    here = ray.get_runtime_context().get_node_id()
+    got = {}
+    for where, node in (("here", here), ("elsewhere", "another-node")):
+        worker = TrainWorker.__ray_actor_class__(threads=1)
+        worker.load(spec, "models/base", tcfg, acfg)
+        folder = tmp_path / where
+        folder.mkdir()
+        metrics, files = worker.step(table, acfg, tcfg, 1.0, 1, "runs/x/policy/v0001", True, (node, str(folder)))
+        written = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        got[where] = (metrics, files, written)
+    (m1, f1, w1), (m2, f2, w2) = got["here"], got["elsewhere"]
+    assert f1 == {} and w2 == {}  # written here / returned from elsewhere, never both
+    assert set(w1) == set(f2) and {"model.safetensors", "trainer_state.pt", "config.json"} <= set(w1)
+    a, b = load_safetensors(w1["model.safetensors"]), load_safetensors(f2["model.safetensors"])
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] and m1["actor/updates"] == 1.0
+
+
 # --- config and placement ------------------------------------------------------------------------
 
 def test_strategy_config_errors_name_the_field():
