@@ -33,6 +33,7 @@ class RunConfig(_Section):
     tracking_uri: str | None = Field(None, description="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db.")
     experiment: str = Field("flyroll", description="MLflow experiment name.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per process (actor). 1 is fastest when several Ray actors share a small CPU box.")
+    keep_trainer_states: int = Field(2, ge=1, le=100_000, description="Newest published policy versions that keep their optimizer and objective state (trainer_state.pt); older versions keep weights, tokenizer and critic only (SmolLM2: 0.54 of 1.62 GB). A run resumes from its newest version; training from an older one starts the optimizer moments and LR schedule afresh.")
 
 
 class BootstrapConfig(_Section):

@@ -330,6 +330,28 @@ class ArtifactStore:
         log.info("store: published %s (%s, %d files)", self.uri(key), kind, len(entries))
         return m
 
+    def prune(self, key: str, rels: list[str], reason: str) -> Manifest:
+        """Drop files from a published version (a retention policy: old versions' optimizer state):
+        the manifest is rewritten without them, recording each under `metadata["pruned"]` with
+        `reason`, and only then are the files deleted, so a reader never sees a manifest listing a
+        missing file. The one change a published version can undergo. Files the manifest does not
+        list are ignored: pruning twice is a no-op."""
+        m = self.manifest(key)
+        drop = sorted(r for r in rels if r in m.files)
+        if not drop:
+            return m
+        pruned = {**m.metadata.get("pruned", {}), **{r: reason for r in drop}}
+        new = Manifest(key=m.key, kind=m.kind, files={r: e for r, e in m.files.items() if r not in drop},
+                       parents=m.parents, producer=m.producer, execution_id=m.execution_id, created_at=m.created_at,
+                       metadata={**m.metadata, "pruned": pruned})
+        self._write_manifest(key, new.to_json().encode())
+        for rel in drop:
+            try:
+                self._retry(f"delete {self.uri(key)}/{rel}", self.fs.rm_file, self._path(key, rel))
+            except FileNotFoundError:
+                pass
+        return new
+
     def _write_manifest(self, key: str, data: bytes) -> None:
         final = self._path(key, MANIFEST_NAME)
         if self._local:  # rename is atomic on one filesystem: readers see no manifest or all of it

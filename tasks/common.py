@@ -38,7 +38,8 @@ def cache_dir(spec: RunSpec) -> str:
     return os.path.join(root, spec.run_id.replace("/", "_"))
 
 
-TRAINING_ONLY = ("trainer_state.pt", "critic/")  # what only a trainer (or a critic) reads from a checkpoint
+TRAINER_STATE = "trainer_state.pt"  # a checkpoint's optimizer, LR schedule and objective state, beside the weights
+TRAINING_ONLY = (TRAINER_STATE, "critic/")  # what only a trainer (or a critic) reads from a checkpoint
 _MARKERS = (".complete", ".complete-weights")     # every file / every file but TRAINING_ONLY
 
 

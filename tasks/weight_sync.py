@@ -21,7 +21,7 @@ from flytekit.types.directory import FlyteDirectory
 from infra import tracking
 from infra.ray_session import is_local_execution
 from infra.resources import task_resources
-from tasks.common import execution_id, iteration_run, rollout_table_key, stage, store_of
+from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, rollout_table_key, stage, store_of
 from tasks.training import CHECKPOINT_SCRATCH_PREFIX, policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
@@ -48,6 +48,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
                                            "rollout_table": rollouts, "model_version": version,
                                            "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child})
+        prune_trainer_states(store, spec, iteration, config_of(spec).run.keep_trainer_states)
         tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": version})
         tracking.end_run(spec.tracking_uri, child)  # the iteration is committed; its evaluation may still log into it
         metrics["weight_sync/bytes"] = float(sum(f.size for f in manifest.files.values()))
@@ -60,6 +61,19 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
                 pass
     discard_scratch_checkpoint(checkpoint.path)
     return PolicyRef(key=key, version=iteration, model_version=version)
+
+
+def prune_trainer_states(store, spec: RunSpec, iteration: int, keep: int) -> str | None:
+    """Drop trainer_state.pt (optimizer moments, LR schedule, objective state: 2/3 of a checkpoint)
+    from the policy version `keep` iterations before `iteration`, once `iteration` is published.
+    Versions are published one per iteration, so each call prunes one and the newest `keep` always
+    have theirs. Returns the pruned key, if any."""
+    old = iteration - keep
+    key = policy_key(spec, old)
+    if old < 1 or not store.exists(key) or TRAINER_STATE not in store.manifest(key).files:
+        return None
+    store.prune(key, [TRAINER_STATE], reason=f"run.keep_trainer_states={keep}")
+    return key
 
 
 def discard_scratch_checkpoint(path: str) -> None:

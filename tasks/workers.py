@@ -245,7 +245,7 @@ class TrainWorker:
         from engines.rl_step import AlgorithmState
         from engines.strategies import make_strategy
         from engines.training import TorchCriticEngine, TorchTrainEngine
-        from tasks.common import fetch_cached
+        from tasks.common import TRAINER_STATE, fetch_cached
 
         model_dir = fetch_cached(spec, key)
         self.model, self.tokenizer = load_policy(model_dir)
@@ -253,8 +253,11 @@ class TrainWorker:
         opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
                    warmup_steps=training_cfg["warmup_steps"])
         self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy), **opt)
-        path = os.path.join(model_dir, "trainer_state.pt")
+        path = os.path.join(model_dir, TRAINER_STATE)
         state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        if not state and key.startswith("runs/"):  # a run's own version without it: pruned
+            print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions keep "
+                  "it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
         if state:  # resume optimizer moments and LR schedule
             self.engine.load_state_dict(state)
         self.algo_state = AlgorithmState.from_dict(state.get("algorithm"))
@@ -287,6 +290,7 @@ class TrainWorker:
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.modeling import save_policy
         from engines.rl_step import prepare_update, table_to_batch, token_column
+        from tasks.common import TRAINER_STATE
 
         cfg = AlgorithmConfig.model_validate(algorithm_cfg)
         batch = table_to_batch(table, self.tokenizer.pad_token_id)
@@ -320,7 +324,7 @@ class TrainWorker:
             save_policy(self.model, self.tokenizer, d, state_dict=weights)
             if self.critic_engine is not None:
                 save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
-            torch.save(trainer_state, os.path.join(d, "trainer_state.pt"))
+            torch.save(trainer_state, os.path.join(d, TRAINER_STATE))
 
         if out is not None and out[0] == ray.get_runtime_context().get_node_id():
             save(out[1])

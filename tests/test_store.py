@@ -276,3 +276,50 @@ def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypat
     assert files(fetch_cached(spec, "runs/r1/policy/v0002", weights_only=True)) == ["config.json", "model.safetensors"]
     fetch_cached(spec, "runs/r1/policy/v0003", weights_only=True)  # evicts v0001 (full) and keeps v0002 (weights only)
     assert sorted(p.name for p in (tmp_path / "cache" / "r1" / "runs/r1/policy").iterdir()) == ["v0002", "v0003"]
+
+
+def test_prune_drops_files_from_a_version_manifest_first(store, tmp_path):
+    """store.prune (local and S3): the manifest no longer lists the file (and records why), the file
+    is gone, the version still fetches and verifies, pruning again is a no-op; the other files are
+    untouched."""
+    from infra.store import ArtifactExists
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w" * 64)
+    (src / "trainer_state.pt").write_bytes(b"o" * 128)
+    before = store.publish(str(src), "runs/r/policy/v0001", kind="checkpoint", producer="test", metadata={"iteration": 1})
+    m = store.prune("runs/r/policy/v0001", ["trainer_state.pt"], reason="run.keep_trainer_states=2")
+    assert set(m.files) == {"model.safetensors"} and m.files["model.safetensors"] == before.files["model.safetensors"]
+    assert m.metadata == {"iteration": 1, "pruned": {"trainer_state.pt": "run.keep_trainer_states=2"}}
+    assert store.manifest("runs/r/policy/v0001") == m
+    assert not store.fs.exists(f"{store._root_path}/runs/r/policy/v0001/trainer_state.pt")
+    got = store.fetch("runs/r/policy/v0001", str(tmp_path / "got"))  # verified against the new manifest
+    assert sorted(os.listdir(got)) == ["model.safetensors"]
+    assert store.prune("runs/r/policy/v0001", ["trainer_state.pt"], reason="again") == m  # no-op
+    with pytest.raises(ArtifactExists):  # still immutable: the old content is not the version any more
+        store.publish(str(src), "runs/r/policy/v0001", kind="checkpoint", producer="test")
+
+
+def test_weight_sync_keeps_the_trainer_state_of_the_newest_versions_only(tmp_path):
+    """tasks/weight_sync.py prune_trainer_states after publishing iteration N with keep=2: version
+    N-2 loses trainer_state.pt (weights and critic stay), N-1 and N keep it; a rerun is a no-op."""
+    from infra.store import ArtifactStore
+    from tasks.types import RunSpec
+    from tasks.weight_sync import prune_trainer_states
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
+                   tracking_uri="", mlflow_run_id="")
+    src = tmp_path / "src"
+    (src / "critic").mkdir(parents=True)
+    for rel in ("model.safetensors", "trainer_state.pt", "critic/model.safetensors"):
+        (src / rel).write_bytes(rel.encode())
+    files = lambda v: set(store.manifest(f"runs/r1/policy/v{v:04d}").files)
+    for it in (1, 2, 3, 4):
+        store.publish(str(src), f"runs/r1/policy/v{it:04d}", kind="checkpoint", producer="test")
+        pruned = prune_trainer_states(store, spec, it, keep=2)
+        assert pruned == (None if it < 3 else f"runs/r1/policy/v{it - 2:04d}")
+    assert files(1) == files(2) == {"model.safetensors", "critic/model.safetensors"}
+    assert files(3) == files(4) == {"model.safetensors", "trainer_state.pt", "critic/model.safetensors"}
+    assert prune_trainer_states(store, spec, 4, keep=2) is None  # resumed iteration 4: already done

@@ -79,6 +79,9 @@ def test_run_publishes_versions_that_chain_back_to_the_base(e2e_run):
     base = m1.parents[0]
     assert base.startswith("models/tiny-") and store.manifest(base).kind == "checkpoint"
     assert {"model.safetensors", "tokenizer.json", "config.json", "trainer_state.pt"} <= set(m2.files)
+    # run.keep_trainer_states: 1 -> v0001 keeps its weights but not its optimizer state
+    assert "trainer_state.pt" not in m1.files and "model.safetensors" in m1.files
+    assert m1.metadata["pruned"] == {"trainer_state.pt": "run.keep_trainer_states=1"}
     assert m2.metadata["iteration"] == 2
     datasets = [k for k in store.list("datasets")]
     assert any(k.endswith("/train") for k in datasets) and any(k.endswith("/eval") for k in datasets)
