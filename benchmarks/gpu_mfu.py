@@ -16,7 +16,9 @@ shape), so the MFU here is a slight underestimate.
 Generation: `engines/generation.py HFGenerationEngine` (transformers `generate`, KV cache, per-token
 log-probs over the full vocabulary), temperature 1, bf16, generated tokens/s, in two shapes: 64
 random prompts of 128 tokens, one sample each, 128 new tokens; and GRPO's shape, 16 prompts x 8
-samples (the prompt prefilled once and its KV cache shared by the group), 128 new tokens.
+samples (the prompt prefilled once and its KV cache shared by the group), 128 new tokens, once as
+is and once with `compile_decode` (transformers' compiled decode; its first call, the compile, is
+timed apart, then one call with narrower prompts in the same cache bucket shows the graph reused).
 
 Also measured: this GPU's bf16 matmul rate (8192^3, the mean of 10 after 3 warm-ups), printed
 beside the datasheet peak so the MFU can be read against either.
@@ -41,8 +43,7 @@ SMOKE_MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 TRAIN_SHAPES = [(16, 1024), (32, 2048)]   # (sequences, tokens per sequence)
 GEN_SHAPES = [(64, 1, 128, 128), (16, 8, 128, 128)]   # (prompts, samples per prompt, prompt tokens, new tokens)
-SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPES = [(2, 32)], [(4, 1, 8, 8), (2, 2, 8, 8)]
-# the group shape again with transformers' compiled decode (GPU only; the last of GEN_SHAPES)
+SMOKE_TRAIN_SHAPES, SMOKE_GEN_SHAPES = [(2, 32)], [(4, 1, 8, 8), (2, 2, 8, 8)]  # the last shape runs again compiled
 
 
 class _IdTokenizer:

@@ -39,7 +39,8 @@ def cache_dir(spec: RunSpec) -> str:
 
 
 TRAINER_STATE = "trainer_state.pt"  # a checkpoint's optimizer, LR schedule and objective state, beside the weights
-TRAINING_ONLY = (TRAINER_STATE, "critic/")  # what only a trainer (or a critic) reads from a checkpoint
+TRAINING_ONLY = (TRAINER_STATE, "critic/")  # what only a trainer or critic reads (critic/: engines/critic_model.py
+                                            # CRITIC_SUBDIR, not imported here: that module pulls in transformers)
 _MARKERS = (".complete", ".complete-weights")     # every file / every file but TRAINING_ONLY
 
 

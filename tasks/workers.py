@@ -280,8 +280,8 @@ class TrainWorker:
 
         `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, the
         checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
-        otherwise cost a read-back, two copies through the object store and the caller's write,
-        ~5-10 s an iteration here); on another node the bytes do."""
+        otherwise cost a read-back, two copies through the object store and the caller's write:
+        ~5 s of each iteration's training stage here); on another node the bytes do."""
         import tempfile
 
         import torch
