@@ -21,6 +21,7 @@ from flytekit.types.directory import FlyteDirectory
 from infra import tracking
 from infra.ray_session import is_local_execution
 from infra.resources import task_resources
+from infra.store import ArtifactNotFound, CorruptArtifact
 from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, rollout_table_key, stage, store_of
 from tasks.training import CHECKPOINT_SCRATCH_PREFIX, policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -70,7 +71,11 @@ def prune_trainer_states(store, spec: RunSpec, iteration: int, keep: int) -> str
     have theirs. Returns the pruned key, if any."""
     old = iteration - keep
     key = policy_key(spec, old)
-    if old < 1 or not store.exists(key) or TRAINER_STATE not in store.manifest(key).files:
+    try:  # one manifest read here (store.exists would be a second), prune's own the other
+        listed = old >= 1 and TRAINER_STATE in store.manifest(key).files
+    except (ArtifactNotFound, CorruptArtifact):  # what store.exists treats as absent
+        return None
+    if not listed:
         return None
     store.prune(key, [TRAINER_STATE], reason=f"run.keep_trainer_states={keep}")
     return key
