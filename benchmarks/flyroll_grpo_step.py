@@ -4,10 +4,11 @@ at a time so the benchmark can alternate them with TRL's.
   python benchmarks/flyroll_grpo_step.py SPEC.json      # from the repository root (PYTHONPATH=.)
 
 SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
-[{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb, release_memory.
+[{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb, release_memory, reward
+("shaped" | "exact", benchmarks/bench_reward.py).
 
 One step = rollout (len(problems) x samples completions, temperature 1, per-token log-probs)
-+ scoring (exact-match reward, rollout table, GRPO advantages, collation) + training (one AdamW
++ scoring (the reward, rollout table, GRPO advantages, collation) + training (one AdamW
 update, token-mean, no KL: the behaviour log-probs are the old log-probs, as TRL with beta=0 and
 one iteration) + weight sync (save the policy, `engine.load_weights`).
 
@@ -17,8 +18,10 @@ Protocol (stdout carries only these lines; everything else the process prints go
                        release_memory it is returned to the OS after each step instead (outside the
                        timed step), so the idle worker holds only its model and optimizer
   <- STEP <i>          run timed step i (sampling seed 2001+i)
-  -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens, rss_gb, peak_rss_gb
-                       (resident memory between steps and the peak so far)
+  -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens, trained_rows (rows the
+                       update ran: those with zero advantage carry no gradient and are skipped,
+                       engines/training.py), rss_gb, peak_rss_gb (resident memory between steps and
+                       the peak so far)
   <- EXIT              close the engine and exit
 """
 
@@ -32,7 +35,8 @@ import sys
 import tempfile
 import time
 
-from worker_memory import release_memory, rss_gb  # benchmarks/worker_memory.py, next to this script
+from bench_reward import bench_reward  # benchmarks/, next to this script
+from worker_memory import release_memory, rss_gb
 
 
 def build(spec: dict):
@@ -46,7 +50,6 @@ def build(spec: dict):
     from engines.host_memory import keep_freed_memory
     from engines.modeling import load_policy, save_policy
     from engines.rl_step import prepare_update, table_to_batch
-    from engines.synthetic import exact_match_reward
     from engines.training import TorchTrainEngine
 
     torch.set_num_threads(spec["threads"])
@@ -78,7 +81,7 @@ def build(spec: dict):
         df = pd.DataFrame({
             "prompt_token_ids": [ids[c.prompt_index] for c in out],
             "response_token_ids": [c.token_ids for c in out],
-            "reward": [exact_match_reward(c.text, problems[c.prompt_index]) for c in out],
+            "reward": [bench_reward(spec["reward"], c.text, problems[c.prompt_index]["answer"]) for c in out],
             "group_id": [c.prompt_index for c in out],
             "finish_reason": [c.finish_reason for c in out],
         })
@@ -88,14 +91,15 @@ def build(spec: dict):
         for row, c in enumerate(out):
             old[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
         t2 = time.perf_counter()
-        trainer.train_step(batch, upd.advantages, old, None, cfg, mini_batch_size=len(df),
-                           max_tokens_per_micro_batch=spec["micro_tokens"])
+        m = trainer.train_step(batch, upd.advantages, old, None, cfg, mini_batch_size=len(df),
+                               max_tokens_per_micro_batch=spec["micro_tokens"])
         t3 = time.perf_counter()
         save_policy(policy, tok, sync_dir)
         engine.load_weights(sync_dir)
         t4 = time.perf_counter()
         return {"s": t4 - t0, "gen_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "sync_s": t4 - t3,
-                "samples": len(out), "tokens": sum(len(c.token_ids) for c in out)}
+                "samples": len(out), "tokens": sum(len(c.token_ids) for c in out),
+                "trained_rows": round(len(out) * (1 - m["actor/skipped_rows"]))}
 
     def close() -> None:
         getattr(engine, "close", lambda: None)()

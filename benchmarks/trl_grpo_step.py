@@ -5,9 +5,9 @@ so the benchmark can alternate them with flyroll's.
   .venv-trl/bin/python benchmarks/trl_grpo_step.py SPEC.json
 
 SPEC.json (written by infra/bench.py): model_dir, chat, problems [{prompt, answer}], samples,
-max_new, batches, threads, lr. One GRPO step = generation of len(problems) x samples completions
-with transformers (temperature 1), the exact-match reward, beta=0 (no reference model), one
-optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.
+max_new, batches, threads, lr, reward. One GRPO step = generation of len(problems) x samples
+completions with transformers (temperature 1), the reward (benchmarks/bench_reward.py), beta=0
+(no reference model), one optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.
 
 Protocol (as benchmarks/flyroll_grpo_step.py; stdout carries only these lines):
   -> READY {json}      after loading and the warm-up step (after each step, freed heap memory is
@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-from worker_memory import release_memory, rss_gb  # benchmarks/worker_memory.py, next to this script
+from bench_reward import bench_reward  # benchmarks/, next to this script
+from worker_memory import release_memory, rss_gb
 
 
 def main(spec_path: str) -> None:
@@ -55,10 +56,10 @@ def main(spec_path: str) -> None:
                               "answer": ([p["answer"] for p in problems] * (spec["batches"] + 2))[:n_rows]})
     step_tokens = [0]
 
-    def exact_match(completions, answer, completion_ids=None, **_):
+    def reward(completions, answer, completion_ids=None, **_):
         step_tokens[0] += sum(len(c) for c in completion_ids or [])
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(t.split("\n", 1)[0].strip() == a.strip()) for t, a in zip(texts, answer)]
+        return [bench_reward(spec["reward"], t, a) for t, a in zip(texts, answer)]
 
     class Serve(TrainerCallback):
         """Step 0 runs at once (warm-up); each later step waits for STEP on stdin."""
@@ -100,7 +101,7 @@ def main(spec_path: str) -> None:
         disable_tqdm=True,
     )
     try:
-        trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match, args=cfg, train_dataset=data,
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=cfg, train_dataset=data,
                               processing_class=tok, callbacks=[Serve()])
         trainer.train()
     except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail

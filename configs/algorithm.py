@@ -196,6 +196,15 @@ class AlgorithmConfig(BaseModel):
         description="Entropy bonus weight: loss -= entropy_coef · mean entropy. Fights entropy "
         "collapse, but too much makes outputs random. 0 = off (common for LLM RL).",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Skip the forward and backward of rows whose advantages are all zero (a GRPO "
+        "group whose samples scored alike) when nothing else in the loss needs them: built-in "
+        "policy loss (ppo_clip, cispo, gspo), no KL loss term, entropy_coef 0. Their gradient is "
+        "exactly zero, so the update is the same (the loss keeps the whole mini-batch's token and "
+        "sequence counts); actor/entropy, actor/pg_clipfrac and actor/ppo_kl are then over the rows "
+        "that ran, and actor/skipped_rows is the share skipped. False: run every row.",
+    )
 
     # --- rewards: normalisation, clipping, shaping ------------------------------------------
     reward_norm: Literal["none", "batch", "group", "running"] = Field(

@@ -271,8 +271,11 @@ class FlyrollConfig(_Section):
         return self.model_dump_json()
 
     def hash(self) -> str:
-        """Short stable hash of the resolved config (tags, cache keys, run folder)."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+        """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
+        differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
+        hash, and a run started before the upgrade still resumes. (A changed default does not change it.)"""
+        values = self.model_dump(mode="json", exclude_defaults=True)
+        return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:
         """Dotted key -> value strings, for MLflow params."""

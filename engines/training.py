@@ -21,14 +21,23 @@ import time
 import torch
 
 from configs.algorithm import AlgorithmConfig
-from engines.algorithms.aggregate import global_counts
-from engines.algorithms.aggregate import masked_mean
+from engines.algorithms.aggregate import agg_loss, global_counts, masked_mean
 from engines.algorithms.objective import actor_loss, critic_loss
+from engines.algorithms.policy_losses import ZERO_AT_ZERO_ADVANTAGE
+from engines.algorithms.registry import get_policy_loss
 from engines.batching import TokenBatch, prompt_groups, response_logprobs
 from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shard
 
 
 _SHARE_METRICS = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"}
+
+
+def zero_advantage_skippable(cfg: AlgorithmConfig, has_reference: bool) -> bool:
+    """Whether rows with all-zero advantages may be left out of the actor's update without changing it:
+    the policy loss is -A·f(...) per token (the built-in ones), and no KL loss or entropy bonus gives
+    those rows a gradient of their own."""
+    return (cfg.skip_zero_advantage and get_policy_loss(cfg.policy_loss) in ZERO_AT_ZERO_ADVANTAGE
+            and not (cfg.use_kl_loss and has_reference) and cfg.entropy_coef == 0.0)
 
 
 def split_by_tokens(lengths: list[int], max_tokens: int, response_lengths: list[int] | None = None) -> list[list[int]]:
@@ -133,11 +142,15 @@ class _PPOEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def _updates(self, batch: TokenBatch, ppo_epochs: int, mini_batch_size: int, max_tokens_per_micro_batch: int,
-                 seed: int, micro_loss, groups: list[int] | None = None) -> tuple[dict[str, float], int, float, float]:
-        """Run the update loop; `micro_loss(sub, idx, t, num_tokens, num_seqs) -> (loss, metrics)` on
+                 seed: int, micro_loss, groups: list[int] | None = None,
+                 run_rows: torch.Tensor | None = None) -> tuple[dict[str, float], int, float, float, int]:
+        """Run the update loop; `micro_loss(sub, idx, t, num_tokens, num_seqs, ran) -> (loss, metrics)` on
         each trimmed micro-batch `sub` (rows `idx`, response width `t`), inside the strategy's
-        micro-batch context. Returns (metric means over updates, summed over ranks; number of
-        updates; mean grad norm; padded tokens processed, summed over ranks)."""
+        micro-batch context. `run_rows` [B] bool: the rows that need a forward and backward (None: all);
+        the others are left out, but `num_tokens` / `num_seqs` still count the whole mini-batch (the
+        loss's normalisers), and `ran` = (tokens, sequences) of the rows that run. Returns (metric means
+        over updates, summed over ranks; number of updates; mean grad norm; padded tokens processed,
+        summed over ranks; rows left out, summed over updates)."""
         strategy = self.strategy
         self.module.train()
         B, P = batch.input_ids.shape[0], batch.prompt_width
@@ -145,20 +158,24 @@ class _PPOEngine:
         resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
         g = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
-        n_updates, tokens, norms = 0, 0, 0.0
+        n_updates, tokens, norms, skipped = 0, 0, 0.0, 0
         for _epoch in range(ppo_epochs):
             order = torch.randperm(B, generator=g).tolist()
             for ms in range(0, B, mini_batch_size):
                 mini = order[ms : ms + mini_batch_size]
                 num_tokens, num_seqs = global_counts(batch.response_mask[mini])
+                # at least one row runs, so every parameter gets a (zero) gradient and the step is the same
+                run = mini if run_rows is None else ([i for i in mini if run_rows[i]] or mini[:1])
+                skipped += len(mini) - len(run)
+                ran = global_counts(batch.response_mask[run])
                 strategy.zero_grad(self.optimizer)
-                micro = _micro_steps(strategy, mini, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
+                micro = _micro_steps(strategy, run, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
                 for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
                     with strategy.micro_batch(last=n == len(micro) - 1):
-                        loss, m = micro_loss(sub, idx, t, num_tokens, num_seqs)
+                        loss, m = micro_loss(sub, idx, t, num_tokens, num_seqs, ran)
                         strategy.backward(loss * weight)
-                    w = weight * len(idx) / len(mini)
+                    w = weight * len(idx) / len(run)
                     for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
                         sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
                     tokens += int(weight * sub.attention_mask.sum())
@@ -167,7 +184,8 @@ class _PPOEngine:
                 n_updates += 1
         keys = sorted(sums)  # every rank ran the same micro-batches, so the same keys
         *values, tokens = strategy.all_reduce_sum([sums[k] for k in keys] + [tokens])
-        return ({k: v / max(1, n_updates) for k, v in zip(keys, values)}, n_updates, norms / max(1, n_updates), tokens)
+        return ({k: v / max(1, n_updates) for k, v in zip(keys, values)}, n_updates, norms / max(1, n_updates), tokens,
+                skipped)
 
 
 class TorchTrainEngine(_PPOEngine):
@@ -205,23 +223,32 @@ class TorchTrainEngine(_PPOEngine):
     ) -> dict[str, float]:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `actor/*` metrics.
         `rollout_logprobs` turn on truncated importance sampling when `cfg.tis_cap` is set;
-        `kl_coef` is the KL controller's current β (None = `cfg.kl_coef`)."""
+        `kl_coef` is the KL controller's current β (None = `cfg.kl_coef`). Rows with zero advantage
+        are skipped where that leaves the update unchanged (`zero_advantage_skippable`)."""
         shared = self.strategy.shared_prefix
+        run_rows = None
+        if zero_advantage_skippable(cfg, ref_logprobs is not None):
+            run_rows = ((advantages != 0) & (batch.response_mask > 0)).any(-1)           # [B]
 
-        def micro_loss(sub, idx, t, num_tokens, num_seqs):
+        def micro_loss(sub, idx, t, num_tokens, num_seqs, ran):
             sub, old, ref, adv, behaviour = _to(
                 self.strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
                 advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
             logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True, shared_prefix=shared)
-            return actor_loss(cfg, logp, old, ref, adv, sub.response_mask, entropy=entropy, num_tokens=num_tokens,
-                              num_seqs=num_seqs, rollout_logprobs=behaviour, kl_coef=kl_coef)
+            loss, m = actor_loss(cfg, logp, old, ref, adv, sub.response_mask, entropy=entropy, num_tokens=num_tokens,
+                                 num_seqs=num_seqs, rollout_logprobs=behaviour, kl_coef=kl_coef)
+            if run_rows is not None:  # the entropy metric over the rows that ran (the loss keeps the global counts)
+                m["actor/entropy"] = float(agg_loss(entropy.detach(), sub.response_mask, cfg.loss_agg_mode, num_tokens=ran[0],
+                                                    num_seqs=ran[1], loss_scale_factor=cfg.loss_scale_factor))
+            return loss, m
 
         t0 = time.perf_counter()
-        metrics, n_updates, grad_norm, tokens = self._updates(
+        metrics, n_updates, grad_norm, tokens, skipped = self._updates(
             batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch, seed, micro_loss,
-            groups=prompt_groups(batch).tolist() if shared else None)
+            groups=prompt_groups(batch).tolist() if shared else None, run_rows=run_rows)
         elapsed = time.perf_counter() - t0
         metrics.update({
+            "actor/skipped_rows": skipped / max(1, cfg.ppo_epochs * batch.input_ids.shape[0]),
             "actor/grad_norm": grad_norm,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "actor/updates": float(n_updates),
@@ -254,12 +281,12 @@ class TorchCriticEngine(_PPOEngine):
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `critic/*` metrics."""
         from engines.critic_model import response_values
 
-        def micro_loss(sub, idx, t, num_tokens, num_seqs):
+        def micro_loss(sub, idx, t, num_tokens, num_seqs, _ran):
             sub, old, ret = _to(self.strategy.device, sub, old_values[idx, :t], returns[idx, :t])
             values = response_values(self.module, sub)                      # [b, t]
             return critic_loss(cfg, values, old, ret, sub.response_mask, num_tokens=num_tokens, num_seqs=num_seqs)
 
-        metrics, _, grad_norm, _ = self._updates(batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch,
+        metrics, _, grad_norm, _, _ = self._updates(batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch,
                                                  seed, micro_loss)
         mask = batch.response_mask.float()
         metrics.update({

@@ -13,8 +13,9 @@ What runs (docs/benchmarks.md has the full story and the results):
   TRL, ..., so machine-load drift hits both alike, and the ratio is taken against the TRL steps of
   the same pair. Only one runs at a time; the other waits on stdin. (Pairs, not all three at once:
   three resident SmolLM2 trainers do not fit in the memory of a small shared box.)
-- Same prompts (B synthetic prompts x G samples), temperature 1, max new tokens, exact-match reward,
-  learning rate, torch threads; no KL (TRL beta=0). A step = generation + reward + one update
+- Same prompts (B synthetic prompts x G samples), temperature 1, max new tokens, reward (`--reward`:
+  shaped by default, so every group has non-zero advantages; benchmarks/bench_reward.py), learning
+  rate, torch threads; no KL (TRL beta=0). A step = generation + reward + one update
   (+ flyroll's weight sync into its engine). Workers: benchmarks/flyroll_grpo_step.py,
   benchmarks/trl_grpo_step.py.
 - `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
@@ -60,6 +61,8 @@ def summarise(steps: list[dict]) -> dict:
     for k in ("rss_gb", "peak_rss_gb"):  # resident memory between steps, and the peak
         if all(k in s for s in steps):
             out[k] = max(s[k] for s in steps)
+    if all("trained_rows" in s for s in steps):  # flyroll: rows its update ran (zero-advantage rows skipped)
+        out["trained_rows"] = sum(s["trained_rows"] for s in steps) / len(steps)
     return out
 
 
@@ -271,18 +274,19 @@ def print_comparison(rows: list[dict], args) -> None:
     from rich.table import Table
 
     t = Table(title=f"GRPO step, {args.prompts} prompts x {args.samples} samples, max_new_tokens={args.max_new}, "
-                    f"lr={args.lr:g}, threads={args.threads}, {args.batches} timed steps each (alternating)")
+                    f"lr={args.lr:g}, threads={args.threads}, reward={args.reward}, {args.batches} timed steps each (alternating)")
     for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok",
-                "RSS idle / peak GiB"):
+                "rows trained", "RSS idle / peak GiB"):
         t.add_column(col, justify="left" if col in ("model", "system") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 7)
+            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 8)
             continue
         parts = " / ".join(fmt(r.get(k), ".2f") for k in STEP_PARTS) if "gen_s" in r else "—"
         system = f"{r['system']} (with {r['pair']})" if r["system"] == TRL_SYSTEM and r.get("pair") else r["system"]
         t.add_row(r["model"], system, fmt(r["samples_per_s"]), fmt(r["tokens_per_s"]),
                   fmt(r.get("samples_ratio"), ".2f", "x"), fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]),
+                  fmt(r.get("trained_rows"), ".0f") if "trained_rows" in r else "all",
                   f"{fmt(r.get('rss_gb'))} / {fmt(r.get('peak_rss_gb'))}")
     Console(width=max(150, shutil.get_terminal_size().columns)).print(t)
 
@@ -298,6 +302,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per batch (B)")
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of every system")
+    ap.add_argument("--reward", choices=("shaped", "exact"), default="shaped",
+                    help="shaped: exact match 1, answer present 0.5, else a brevity term (groups almost never tie, every "
+                         "row trains); exact: 1/0 (SmolLM2 scores 0 on every sample, all advantages are 0; flyroll skips "
+                         "such rows). benchmarks/bench_reward.py")
     ap.add_argument("--micro-tokens", type=int, default=4096, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
     ap.add_argument("--kv-cache-gb", type=float, default=1, help="flyroll vllm: KV cache GiB")
     ap.add_argument("--flyroll-memory", choices=("release", "keep"), default="release",
@@ -367,7 +375,7 @@ def cli_main(argv: list[str]) -> int:
         model_dir, chat = model_dirs[name]
         spec = {"model_dir": model_dir, "chat": chat, "problems": problems, "samples": args.samples, "max_new": args.max_new,
                 "batches": args.batches, "threads": args.threads, "lr": args.lr, "micro_tokens": args.micro_tokens,
-                "kv_cache_gb": args.kv_cache_gb, "release_memory": args.flyroll_memory == "release"}
+                "kv_cache_gb": args.kv_cache_gb, "release_memory": args.flyroll_memory == "release", "reward": args.reward}
         for group in groups:
             rows += compare_model(name, group, spec, args, workdir)
             dump()

@@ -16,7 +16,7 @@ from infra.bench_pipeline import iteration_breakdown, mean_breakdown
 def test_bench_help_lists_the_options():
     r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline"):
+    for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline", "--reward"):
         assert opt in r.stdout
     top = subprocess.run([sys.executable, "-m", "infra.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert "bench" in top.stdout
@@ -52,6 +52,29 @@ def test_summarise_reports_the_largest_resident_memory_of_the_steps():
     s = summarise(steps)
     assert (s["rss_gb"], s["peak_rss_gb"]) == (3.0, 8.5)
     assert "rss_gb" not in summarise([{"s": 1.0, "samples": 8, "tokens": 8}])  # no /proc: no column value
+
+
+def test_summarise_reports_the_rows_flyroll_trained():
+    steps = [{"s": 1.0, "samples": 64, "tokens": 8, "trained_rows": 64}, {"s": 1.0, "samples": 64, "tokens": 8, "trained_rows": 1}]
+    assert summarise(steps)["trained_rows"] == 32.5
+    assert "trained_rows" not in summarise([{"s": 1.0, "samples": 8, "tokens": 8}])  # TRL: every row
+
+
+def test_bench_rewards(monkeypatch):
+    """Both workers score with benchmarks/bench_reward.py: `exact` is 1/0 on the first line; `shaped`
+    adds 0.5 for the answer anywhere (as a word) and a brevity term below 0.2, so garbage ties rarely."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_reward import bench_reward
+
+    assert bench_reward("exact", " 11\nbecause", "11") == bench_reward("shaped", "11", "11") == 1.0
+    assert bench_reward("exact", "it is 11.", "11") == 0.0
+    assert bench_reward("shaped", "it is 11.", "11") == 0.5
+    assert bench_reward("shaped", "it is 110", "11") < 0.2  # not the answer as a word of its own
+    garbage = ["I think so", "A longer answer that says nothing", "x" * 300, ""]
+    assert [bench_reward("shaped", t, "5") for t in garbage] == pytest.approx([0.2 * (1 - len(t) / 200) if len(t) < 200 else 0.0
+                                                                             for t in garbage])
+    with pytest.raises(ValueError, match="reward 'f1'"):
+        bench_reward("f1", "5", "4")
 
 
 def test_worker_rss_is_read_from_proc(monkeypatch):

@@ -158,6 +158,14 @@ def test_hash_is_stable_and_tracks_every_field(tmp_path):
     assert a.hash() not in changed and len(changed) == 4
 
 
+def test_hash_ignores_settings_left_at_their_default():
+    """A setting a newer flyroll adds (with its default) must not move the run id, or runs started before
+    the upgrade could not resume: the hash covers the settings that differ from their defaults."""
+    base = parse_config({"run": {"name": "x"}})
+    assert parse_config({"run": {"name": "x"}, "algorithm": {"skip_zero_advantage": True}}).hash() == base.hash()
+    assert parse_config({"run": {"name": "x"}, "algorithm": {"skip_zero_advantage": False}}).hash() != base.hash()
+
+
 def test_flat_has_dotted_keys():
     flat = parse_config({"rollout": {"stop": ["\n"]}}).flat()
     assert flat["rollout.temperature"] == "1.0"

@@ -188,6 +188,85 @@ def test_masked_tokens_do_not_change_the_update(tiny_policy):
     assert any(not torch.allclose(runs["control"][k], runs["clean"][k], atol=1e-6) for k in runs["clean"])
 
 
+def zero_advantage_batch(tok, model):
+    """rl_batch with rows 0, 3, 4 and 6 at zero advantage and old log-probs off the policy (ratios != 1)."""
+    batch, adv, old, ref = rl_batch(tok, model)
+    adv = adv.clone()
+    adv[[0, 3, 4, 6]] = 0.0
+    return batch, adv, old - 0.1 * batch.response_mask, ref
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo", "cispo"])
+def test_zero_advantage_rows_are_skipped_without_changing_the_update(tiny_policy, loss):
+    """Half the rows carry no advantage: skipping their forward/backward gives the same parameters and
+    loss as running them, over two epochs of shuffled mini-batches of 4 (some hold no advantage at all)."""
+    base, tok = tiny_policy
+    batch, adv, old, _ = zero_advantage_batch(tok, base)
+    runs = {}
+    for skip in (False, True):
+        model = copy.deepcopy(base)
+        cfg = AlgorithmConfig(policy_loss=loss, use_kl_loss=False, kl_coef=0.0, skip_zero_advantage=skip, ppo_epochs=2)
+        m = sgd_engine(model).train_step(batch, adv, old, None, cfg, mini_batch_size=4, max_tokens_per_micro_batch=64)
+        runs[skip] = (params_of(model), m)
+    (p_all, m_all), (p_skip, m_skip) = runs[False], runs[True]
+    assert m_all["actor/skipped_rows"] == 0.0
+    assert 0.25 <= m_skip["actor/skipped_rows"] <= 0.5  # 4 of 8 rows, less one kept per mini-batch with no signal
+    start = params_of(base)
+    assert max(float((p_all[k] - start[k]).abs().max()) for k in start) > 1e-3  # a real update
+    for k in start:
+        torch.testing.assert_close(p_skip[k], p_all[k], atol=1e-6, rtol=0, msg=k)
+    for k in ("actor/pg_loss", "actor/grad_norm"):
+        assert m_skip[k] == pytest.approx(m_all[k], abs=1e-6), k
+
+
+def test_an_update_with_no_advantage_at_all_still_steps_adamw(tiny_policy):
+    """Every row at zero advantage: one row still runs, so AdamW gets zero gradients (not none) and
+    its momentum and weight decay move the parameters exactly as when every row runs."""
+    base, tok = tiny_policy
+    batch, adv, old, _ = zero_advantage_batch(tok, base)
+    results = []
+    for skip in (False, True):
+        model = copy.deepcopy(base)
+        engine = TorchTrainEngine(model, lr=1e-3, weight_decay=0.1)
+        cfg = AlgorithmConfig(use_kl_loss=False, kl_coef=0.0, skip_zero_advantage=skip)
+        first = cfg.model_copy(update={"skip_zero_advantage": False})  # the same AdamW state in both runs
+        engine.train_step(batch, adv, old, None, first, mini_batch_size=8, max_tokens_per_micro_batch=64)
+        before = params_of(model)
+        m = engine.train_step(batch, torch.zeros_like(adv), old, None, cfg, mini_batch_size=8, max_tokens_per_micro_batch=64)
+        results.append((params_of(model), m))
+        assert any(not torch.equal(before[k], results[-1][0][k]) for k in before)  # momentum moved them
+    (p_all, _), (p_skip, m_skip) = results
+    assert m_skip["actor/skipped_rows"] == 7 / 8
+    for k in p_all:
+        torch.testing.assert_close(p_skip[k], p_all[k], atol=0, rtol=0, msg=k)
+
+
+def test_entropy_metric_is_over_the_rows_that_ran(tiny_policy):
+    base, tok = tiny_policy
+    batch, adv, old, _ = zero_advantage_batch(tok, base)
+    with torch.no_grad():
+        _, ent = response_logprobs(base, batch, with_entropy=True)
+    ran = [1, 2, 5, 7]
+    want = float((ent[ran] * batch.response_mask[ran]).sum() / batch.response_mask[ran].sum())
+    cfg = AlgorithmConfig(use_kl_loss=False, kl_coef=0.0)
+    m = TorchTrainEngine(copy.deepcopy(base), lr=1e-3).train_step(batch, adv, old, None, cfg, mini_batch_size=8,
+                                                                 max_tokens_per_micro_batch=64)
+    assert m["actor/skipped_rows"] == 0.5 and m["actor/entropy"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [
+    AlgorithmConfig(use_kl_loss=True, kl_coef=0.01),                     # the KL term has a gradient on every row
+    AlgorithmConfig(use_kl_loss=False, kl_coef=0.0, entropy_coef=0.01),  # so has the entropy bonus
+    AlgorithmConfig(use_kl_loss=False, kl_coef=0.0, skip_zero_advantage=False),
+], ids=["kl_loss", "entropy_bonus", "off"])
+def test_zero_advantage_rows_run_when_the_loss_needs_them(tiny_policy, cfg):
+    base, tok = tiny_policy
+    batch, adv, old, ref = zero_advantage_batch(tok, base)
+    m = TorchTrainEngine(copy.deepcopy(base), lr=1e-3).train_step(batch, adv, old, ref, cfg, mini_batch_size=8,
+                                                                 max_tokens_per_micro_batch=64)
+    assert m["actor/skipped_rows"] == 0.0
+
+
 def test_split_by_tokens_worked_example():
     # cap 16: [5,3] -> 5*2=10; adding 8 -> 8*3=24 > 16, new group; [8,2] -> 16 ok; a third -> 24;
     # [2] + 9 -> 18 > 16; [9] + 1 -> 18 > 16; [1]

@@ -195,3 +195,8 @@ def gspo(
     loss = agg_loss(pg_losses, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                     loss_scale_factor=loss_scale_factor)
     return loss, metrics
+
+
+# Losses whose per-token term is -A·f(ratio, ...): a row whose advantages are all zero has exactly zero
+# gradient, so the update may skip it (engines/training.py, AlgorithmConfig.skip_zero_advantage).
+ZERO_AT_ZERO_ADVANTAGE = (ppo_clip, cispo, gspo)
