@@ -200,7 +200,7 @@ class AlgorithmConfig(BaseModel):
         True,
         description="Skip the forward and backward of rows whose advantages are all zero (a GRPO "
         "group whose samples scored alike) when nothing else in the loss needs them: built-in "
-        "policy loss (ppo_clip, cispo, gspo), no KL loss term, entropy_coef 0. Their gradient is "
+        "policy loss (ppo_clip, cispo, gspo), no KL loss term with a non-zero β, entropy_coef 0. Their gradient is "
         "exactly zero, so the update is the same (the loss keeps the whole mini-batch's token and "
         "sequence counts); actor/entropy, actor/pg_clipfrac and actor/ppo_kl are then over the rows "
         "that ran, and actor/skipped_rows is the share skipped. False: run every row.",

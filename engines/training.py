@@ -32,12 +32,12 @@ from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shar
 _SHARE_METRICS = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"}
 
 
-def zero_advantage_skippable(cfg: AlgorithmConfig, has_reference: bool) -> bool:
+def zero_advantage_skippable(cfg: AlgorithmConfig, kl_loss: bool) -> bool:
     """Whether rows with all-zero advantages may be left out of the actor's update without changing it:
-    the policy loss is -A·f(...) per token (the built-in ones), and no KL loss or entropy bonus gives
-    those rows a gradient of their own."""
+    the policy loss is -A·f(...) per token (the built-in ones), and no KL loss term (`kl_loss`: one
+    with a non-zero β is in the loss) or entropy bonus gives those rows a gradient of their own."""
     return (cfg.skip_zero_advantage and get_policy_loss(cfg.policy_loss) in ZERO_AT_ZERO_ADVANTAGE
-            and not (cfg.use_kl_loss and has_reference) and cfg.entropy_coef == 0.0)
+            and not kl_loss and cfg.entropy_coef == 0.0)
 
 
 def split_by_tokens(lengths: list[int], max_tokens: int, response_lengths: list[int] | None = None) -> list[list[int]]:
@@ -227,7 +227,8 @@ class TorchTrainEngine(_PPOEngine):
         are skipped where that leaves the update unchanged (`zero_advantage_skippable`)."""
         shared = self.strategy.shared_prefix
         run_rows = None
-        if zero_advantage_skippable(cfg, ref_logprobs is not None):
+        beta = cfg.kl_coef if kl_coef is None else kl_coef
+        if zero_advantage_skippable(cfg, cfg.use_kl_loss and ref_logprobs is not None and beta != 0):
             run_rows = ((advantages != 0) & (batch.response_mask > 0)).any(-1)           # [B]
 
         def micro_loss(sub, idx, t, num_tokens, num_seqs, ran):

@@ -242,11 +242,14 @@ class ArtifactStore:
         keys = [p[len(self._root_path) + 1:-len(suffix)] for p in found if p.endswith(suffix)]
         return sorted(k for k in keys if k)
 
-    def fetch(self, key: str, local_dir: str, verify: bool = True, skip: tuple[str, ...] = ()) -> str:
+    def fetch(self, key: str, local_dir: str, verify: bool = True, skip: tuple[str, ...] = (),
+              include: tuple[str, ...] | None = None) -> str:
         """Download every file of a version into local_dir and check it against the manifest;
-        `skip`: leave out the files whose relative path starts with one of these."""
+        `skip`: leave out the files whose relative path starts with one of these; `include`: only
+        the files whose relative path starts with one of these (None: all)."""
         m = self.manifest(key)
-        rels = sorted(r for r in m.files if not r.startswith(tuple(skip)))
+        rels = sorted(r for r in m.files if not r.startswith(tuple(skip))
+                      and (include is None or r.startswith(tuple(include))))
         lpaths = [os.path.join(local_dir, *rel.split("/")) for rel in rels]
         for lp in lpaths:
             os.makedirs(os.path.dirname(lp), exist_ok=True)

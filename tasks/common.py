@@ -41,20 +41,28 @@ def cache_dir(spec: RunSpec) -> str:
 TRAINER_STATE = "trainer_state.pt"  # a checkpoint's optimizer, LR schedule and objective state, beside the weights
 TRAINING_ONLY = (TRAINER_STATE, "critic/")  # what only a trainer or critic reads (critic/: engines/critic_model.py
                                             # CRITIC_SUBDIR, not imported here: that module pulls in transformers)
-_MARKERS = (".complete", ".complete-weights")     # every file / every file but TRAINING_ONLY
+# What a cached copy may leave out, fullest first (each leaves out more than the one before), and its marker
+_CACHED = {(): ".complete", (TRAINER_STATE,): ".complete-models", TRAINING_ONLY: ".complete-weights"}
+_MARKERS = tuple(_CACHED.values())
 
 
-def fetch_cached(spec: RunSpec, key: str, weights_only: bool = False) -> str:
+def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
     """Local directory holding artifact `key`, fetched (and hash-verified) once per machine.
-    `weights_only`: without TRAINING_ONLY's files (generation and log-prob actors: SmolLM2's
-    optimizer state is 1.1 of its 1.6 GB); a later full fetch of the same version adds them.
+    `skip`: leave out files, one of `_CACHED`'s sets: `TRAINING_ONLY` for generation and log-prob
+    actors (SmolLM2's optimizer state is 1.1 of its 1.6 GB), `(TRAINER_STATE,)` for the critic's
+    values. A later fetch that needs more of a cached version fetches only what it lacks.
     Fetching version N of one of the run's own series (`runs/<run_id>/policy/v0007`) deletes that
     series' cached versions older than N-1 (`evict_older_versions`)."""
+    skip = tuple(skip)
+    if skip not in _CACHED:
+        raise ValueError(f"fetch_cached: skip must be one of {list(_CACHED)}, got {skip!r}")
     dest = os.path.join(cache_dir(spec), key)
-    full, weights = (os.path.join(dest, m) for m in _MARKERS)
-    if not (os.path.exists(full) or (weights_only and os.path.exists(weights))):
-        store_of(spec).fetch(key, dest, verify=True, skip=TRAINING_ONLY if weights_only else ())
-        open(weights if weights_only else full, "w").close()
+    have = [s for s, marker in _CACHED.items() if os.path.exists(os.path.join(dest, marker))]
+    if not any(set(s) <= set(skip) for s in have):
+        # a fuller-than-nothing copy is there and verified: fetch only the files it left out
+        include = min(have, key=len) if have else None
+        store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include)
+        open(os.path.join(dest, _CACHED[skip]), "w").close()
     evict_older_versions(spec, key)
     return dest
 

@@ -50,9 +50,9 @@ class GenerationWorker:
         """Make `key` the served policy: first load, or an in-place weight update."""
         if self.key == key:
             return "cached"
-        from tasks.common import fetch_cached
+        from tasks.common import TRAINING_ONLY, fetch_cached
 
-        model_dir = fetch_cached(spec, key, weights_only=True)
+        model_dir = fetch_cached(spec, key, skip=TRAINING_ONLY)
 
         if self.engine is None:
             self.engine, self.tokenizer = self._build(model_dir)
@@ -171,14 +171,14 @@ class ReferenceWorker:
         if which in self.models and self.models[which][0] == key:
             return
         from engines.modeling import load_policy
-        from tasks.common import fetch_cached
+        from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
 
-        if which == "critic":
+        if which == "critic":  # its weights (and the policy's, for a fresh one), not the optimizer state
             from engines.critic_model import critic_for_checkpoint
 
-            self.models[which] = (key, critic_for_checkpoint(fetch_cached(spec, key)).eval())
+            self.models[which] = (key, critic_for_checkpoint(fetch_cached(spec, key, skip=(TRAINER_STATE,))).eval())
             return
-        model, tok = load_policy(fetch_cached(spec, key, weights_only=True))
+        model, tok = load_policy(fetch_cached(spec, key, skip=TRAINING_ONLY))
         self.models[which] = (key, model.eval())
         self.pad = tok.pad_token_id
 

@@ -223,7 +223,7 @@ def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, mon
     """tasks/common.py fetch_cached: fetching policy v3 deletes the cached v1 (not v2, not the base
     model under models/, not another series); a deleted version is fetched again on demand."""
     from infra.store import ArtifactStore
-    from tasks.common import fetch_cached
+    from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
     from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
@@ -248,10 +248,11 @@ def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, mon
 
 def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypatch):
     """Generation and log-prob actors fetch a checkpoint without trainer_state.pt and critic/
-    (SmolLM2's optimizer state is 1.1 of its 1.6 GB); a trainer's full fetch of the same cached
-    version then adds them; eviction drops both kinds of cached version."""
+    (SmolLM2's optimizer state is 1.1 of its 1.6 GB), the critic's values without trainer_state.pt;
+    a fuller fetch of the same cached version adds only the missing files; eviction drops every
+    kind of cached version."""
     from infra.store import ArtifactStore
-    from tasks.common import fetch_cached
+    from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
     from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
@@ -267,15 +268,23 @@ def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypat
         store.publish(str(src), f"runs/r1/policy/v{v:04d}", kind="checkpoint", producer="test")
     files = lambda d: sorted(str(p.relative_to(d)) for p in Path(d).rglob("*") if p.is_file() and not p.name.startswith("."))
 
-    light = fetch_cached(spec, "runs/r1/policy/v0001", weights_only=True)
+    light = fetch_cached(spec, "runs/r1/policy/v0001", skip=TRAINING_ONLY)
     assert files(light) == ["config.json", "model.safetensors"]
-    assert fetch_cached(spec, "runs/r1/policy/v0001", weights_only=True) == light  # cached: nothing fetched again
+    weights = os.stat(Path(light) / "model.safetensors")
+    assert fetch_cached(spec, "runs/r1/policy/v0001", skip=TRAINING_ONLY) == light  # cached: nothing fetched again
+    models = fetch_cached(spec, "runs/r1/policy/v0001", skip=(TRAINER_STATE,))  # the critic's values: no optimizer state
+    assert models == light and files(models) == ["config.json", "critic/model.safetensors", "model.safetensors"]
     full = fetch_cached(spec, "runs/r1/policy/v0001")
     assert full == light and files(full) == ["config.json", "critic/model.safetensors", "model.safetensors", "trainer_state.pt"]
     assert (Path(full) / "trainer_state.pt").read_bytes() == b"o" * 128
-    assert files(fetch_cached(spec, "runs/r1/policy/v0002", weights_only=True)) == ["config.json", "model.safetensors"]
-    fetch_cached(spec, "runs/r1/policy/v0003", weights_only=True)  # evicts v0001 (full) and keeps v0002 (weights only)
+    again = os.stat(Path(full) / "model.safetensors")  # the fuller fetches added files, never fetched the weights again
+    assert (again.st_ino, again.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)
+    assert fetch_cached(spec, "runs/r1/policy/v0001", skip=TRAINING_ONLY) == full  # a fuller copy serves a lighter fetch
+    assert files(fetch_cached(spec, "runs/r1/policy/v0002", skip=TRAINING_ONLY)) == ["config.json", "model.safetensors"]
+    fetch_cached(spec, "runs/r1/policy/v0003", skip=TRAINING_ONLY)  # evicts v0001 (full) and keeps v0002 (weights only)
     assert sorted(p.name for p in (tmp_path / "cache" / "r1" / "runs/r1/policy").iterdir()) == ["v0002", "v0003"]
+    with pytest.raises(ValueError, match="skip must be one of"):
+        fetch_cached(spec, "runs/r1/policy/v0003", skip=("config.json",))
 
 
 def test_prune_drops_files_from_a_version_manifest_first(store, tmp_path):

@@ -241,6 +241,23 @@ def test_an_update_with_no_advantage_at_all_still_steps_adamw(tiny_policy):
         torch.testing.assert_close(p_skip[k], p_all[k], atol=0, rtol=0, msg=k)
 
 
+def test_a_kl_loss_with_zero_coefficient_does_not_stop_the_skip(tiny_policy):
+    """use_kl_loss with β = 0 (kl_coef 0, or the controller's value passed in) adds no gradient: rows
+    with zero advantage are still left out, and the update equals running them."""
+    base, tok = tiny_policy
+    batch, adv, old, ref = zero_advantage_batch(tok, base)
+    runs = []
+    for skip in (False, True):
+        model = copy.deepcopy(base)
+        cfg = AlgorithmConfig(use_kl_loss=True, kl_coef=0.01, skip_zero_advantage=skip)
+        m = sgd_engine(model).train_step(batch, adv, old, ref, cfg, mini_batch_size=8, max_tokens_per_micro_batch=64,
+                                         kl_coef=0.0)
+        runs.append((params_of(model), m))
+    assert runs[0][1]["actor/skipped_rows"] == 0.0 and runs[1][1]["actor/skipped_rows"] == 0.5
+    for k in runs[0][0]:
+        torch.testing.assert_close(runs[1][0][k], runs[0][0][k], atol=1e-6, rtol=0, msg=k)
+
+
 def test_entropy_metric_is_over_the_rows_that_ran(tiny_policy):
     base, tok = tiny_policy
     batch, adv, old, _ = zero_advantage_batch(tok, base)
