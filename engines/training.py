@@ -143,10 +143,10 @@ class _PPOEngine:
 
     def _updates(self, batch: TokenBatch, ppo_epochs: int, mini_batch_size: int, max_tokens_per_micro_batch: int,
                  seed: int, micro_loss, groups: list[int] | None = None,
-                 run_rows: torch.Tensor | None = None) -> tuple[dict[str, float], int, float, float, int]:
+                 run_rows: list[bool] | None = None) -> tuple[dict[str, float], int, float, float, int]:
         """Run the update loop; `micro_loss(sub, idx, t, num_tokens, num_seqs, ran) -> (loss, metrics)` on
         each trimmed micro-batch `sub` (rows `idx`, response width `t`), inside the strategy's
-        micro-batch context. `run_rows` [B] bool: the rows that need a forward and backward (None: all);
+        micro-batch context. `run_rows` [B]: the rows that need a forward and backward (None: all);
         the others are left out, but `num_tokens` / `num_seqs` still count the whole mini-batch (the
         loss's normalisers), and `ran` = (tokens, sequences) of the rows that run. Returns (metric means
         over updates, summed over ranks; number of updates; mean grad norm; padded tokens processed,
@@ -229,7 +229,7 @@ class TorchTrainEngine(_PPOEngine):
         run_rows = None
         beta = cfg.kl_coef if kl_coef is None else kl_coef
         if zero_advantage_skippable(cfg, cfg.use_kl_loss and ref_logprobs is not None and beta != 0):
-            run_rows = ((advantages != 0) & (batch.response_mask > 0)).any(-1)           # [B]
+            run_rows = ((advantages != 0) & (batch.response_mask > 0)).any(-1).tolist()  # [B]
 
         def micro_loss(sub, idx, t, num_tokens, num_seqs, ran):
             sub, old, ref, adv, behaviour = _to(

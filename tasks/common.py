@@ -59,7 +59,7 @@ def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
     dest = os.path.join(cache_dir(spec), key)
     have = [s for s, marker in _CACHED.items() if os.path.exists(os.path.join(dest, marker))]
     if not any(set(s) <= set(skip) for s in have):
-        # a fuller-than-nothing copy is there and verified: fetch only the files it left out
+        # a verified copy with less is cached (the fullest one's marker): fetch only the files it left out
         include = min(have, key=len) if have else None
         store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include)
         open(os.path.join(dest, _CACHED[skip]), "w").close()
