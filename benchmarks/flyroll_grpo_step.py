@@ -9,8 +9,9 @@ SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, 
 
 One step = rollout (len(problems) x samples completions, temperature 1, per-token log-probs)
 + scoring (the reward, rollout table, GRPO advantages, collation) + training (one AdamW
-update, token-mean, no KL: the behaviour log-probs are the old log-probs, as TRL with beta=0 and
-one iteration) + weight sync (save the policy, `engine.load_weights`).
+update, token-mean, no KL; one on-policy pass, so π_old is the update's own forward, detached, as
+with flyroll's default `algorithm.old_logprobs: auto` and TRL with beta=0 and one iteration) +
+weight sync (save the policy, `engine.load_weights`).
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
   -> READY {json}      after loading and one warm-up step. Freed memory is kept for reuse within and
@@ -87,11 +88,9 @@ def build(spec: dict):
         })
         batch = table_to_batch(df, tok.pad_token_id)
         upd = prepare_update(df, batch, cfg)
-        old = torch.zeros_like(batch.response_mask)                 # [B*G, T]
-        for row, c in enumerate(out):
-            old[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+        assert cfg.old_logprobs_in_update(len(df), len(df))
         t2 = time.perf_counter()
-        m = trainer.train_step(batch, upd.advantages, old, None, cfg, mini_batch_size=len(df),
+        m = trainer.train_step(batch, upd.advantages, None, None, cfg, mini_batch_size=len(df),
                                max_tokens_per_micro_batch=spec["micro_tokens"])
         t3 = time.perf_counter()
         save_policy(policy, tok, sync_dir)

@@ -4,6 +4,7 @@ Qwen2.5-0.5B's shape (random init: no weights to download). Prints a short table
     python benchmarks/gpu_mfu.py                     # on a CUDA machine, from the repository root (~2-4 min on an H200)
     python benchmarks/gpu_mfu.py --smoke             # CPU, a shrunk model: checks the script runs (seconds)
     python benchmarks/gpu_mfu.py --peak-tflops 756   # another GPU (here: H100 PCIe dense bf16)
+    python benchmarks/gpu_mfu.py --compile           # + the first training shape with training.compile (and variants)
 
 Training: two shapes (sequences x tokens per sequence, half prompt, half response), each timed both
 as a plain causal-LM step (HF cross-entropy forward + backward + AdamW) and as flyroll's GRPO actor
@@ -101,7 +102,15 @@ def isolated(what: str, shape: str, measure) -> dict:
         return {"what": what, "shape": shape, "error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
-def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int) -> list[dict]:
+def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int, compile: str = "off",
+               group: int = 1, ce: bool = True, shared_prefix: bool = True, prompt_share: float = 0.5) -> list[dict]:
+    """GRPO step rows (and, with `ce`, the causal-LM CE step) per (sequences, tokens) shape.
+    `group` > 1: rows share their prompt in groups of that size, as GRPO's samples do (the update
+    then runs each prompt once, engines/batching.py shared prefix, unless `shared_prefix` is off).
+    `compile`: "layers" = the engine's `training.compile` (engines/training.py
+    compile_decoder_layers: whole layers, plain forwards); "mlp" = a variant tried and not kept:
+    each layer's children but its attention (MLP, norms) compiled here, keeping the shared prefix;
+    "off". Compiling is in place. `prompt_share`: the prompt's part of each sequence's tokens."""
     import torch
 
     from configs.algorithm import AlgorithmConfig
@@ -109,17 +118,28 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
     from engines.training import TorchTrainEngine
 
     V = model.config.vocab_size
+    suffix = ((f", {group} samples per prompt" if group > 1 else "") + (f", prompt {prompt_share:.0%}" if prompt_share != 0.5 else "")
+              + (", shared prefix off" if group > 1 and not shared_prefix and compile != "layers" else "")
+              + {"off": "", "layers": ", training.compile", "mlp": ", MLPs + norms compiled"}[compile])
     rows = []
     for B, S in shapes:
-        P, T = S // 2, S - S // 2
+        P = int(S * prompt_share)
+        T = S - P
         g = torch.Generator().manual_seed(B * S)
         ids = torch.randint(1, V - 1, (B, S), generator=g)
+        ids[:, :P] = ids[:: group, :P].repeat_interleave(group, dim=0)[:B]   # prompts shared within each group
         batch = TokenBatch(ids, torch.ones_like(ids), torch.arange(S).expand(B, S).contiguous(), ids[:, P:].clone(),
                            torch.ones(B, T))
         adv = torch.randn(B, T, generator=g)                 # [B, T]
         old = -torch.rand(B, T, generator=g) * 10            # [B, T]
         cfg = AlgorithmConfig(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
-        engine = TorchTrainEngine(model, lr=1e-6)
+        if compile == "mlp":
+            for layer in model.get_decoder().layers:
+                for n, child in layer.named_children():
+                    if n != "self_attn":
+                        child.compile()
+        engine = TorchTrainEngine(model, lr=1e-6, compile=compile == "layers")
+        engine.shared_prefix = engine.shared_prefix and shared_prefix
 
         def grpo_step():
             engine.train_step(batch, adv, old, None, cfg, mini_batch_size=B, max_tokens_per_micro_batch=micro_tokens)
@@ -132,18 +152,29 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
             opt.zero_grad(set_to_none=True)
             for s in range(0, B, rows_per_micro):
                 x = dev_ids[s : s + rows_per_micro]
-                (model(input_ids=x, labels=x).loss * len(x) / B).backward()
+                (model(input_ids=x, labels=x, use_cache=False).loss * len(x) / B).backward()  # no KV cache in training
             opt.step()
 
-        for name, fn in (("train: causal-LM CE step", ce_step), ("train: flyroll GRPO step", grpo_step)):
+        steps_to_time = ([("train: causal-LM CE step" + suffix, ce_step)] if ce else []) + [("train: flyroll GRPO step" + suffix, grpo_step)]
+        for name, fn in steps_to_time:
             def row(fn=fn, name=name):
-                dt = time_steps(fn, device, warmup, steps)
+                t0 = time.perf_counter()
+                fn()  # the first step (with compile: the compile) timed apart
+                sync(device)
+                first = time.perf_counter() - t0
+                dt = time_steps(fn, device, warmup - 1, steps)
                 return {"what": name, "shape": f"{B} x {S} tok", "s": dt, "tokens": B * S, "tokens_per_s": B * S / dt,
-                        "flops": 6 * n_params(model) * B * S}
+                        "flops": 6 * n_params(model) * B * S, "first_call_s": first}
             rows.append(isolated(name, f"{B} x {S} tok", row))
         if device.type == "cuda":  # the next shape's optimizers replace these (the closures share their names)
             torch.cuda.empty_cache()
     return rows
+
+
+def uncompile(model) -> None:
+    """Undo `nn.Module.compile` on every submodule (so the next scope is measured alone)."""
+    for m in model.modules():
+        m._compiled_call_impl = None
 
 
 def generation_row(model, shape, device, steps: int, compile_decode: bool = False) -> dict:
@@ -209,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed training steps per shape (after 2 warm-up steps)")
     ap.add_argument("--gen-steps", type=int, default=3, help="timed generate calls (after 1 warm-up)")
     ap.add_argument("--micro-tokens", type=int, default=16384, help="tokens per forward/backward (gradient accumulation above)")
+    ap.add_argument("--compile", action="store_true",
+                    help="then the first training shape again with training.compile (compiled decoder layers, "
+                         "plain forwards) and a variant compiling only MLPs and norms, and with prompts shared by "
+                         "groups of 8 samples at 50%% and 75%% prompt (eager with and without the shared prefix, "
+                         "the MLP variant, training.compile); first steps (the compile) timed apart")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
 
@@ -244,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     for gen_shape, compiled in [*((s, False) for s in gen_shapes), (gen_shapes[-1], True)]:
         rows.append(isolated("generate: HF engine" + (", compiled decode" if compiled else ""), "x".join(map(str, gen_shape)),
                              lambda: generation_row(model, gen_shape, device, gen_steps, compiled)))
+    if args.compile:  # last: generation above ran the eager layers
+        model.train()
+        B, S = train_shapes[0]
+        group = 8 if B % 8 == 0 else 1
+        plan = [dict(compile="layers", ce=True), dict(compile="mlp"),                 # every row its own prompt
+                *(dict(compile=c, group=group, shared_prefix=sp, prompt_share=ps)      # GRPO groups
+                  for ps in (0.5, 0.75) for c, sp in (("off", True), ("off", False), ("mlp", True), ("layers", False)))]
+        for kw in plan:
+            uncompile(model)
+            rows += train_rows(model, [(B, S)], device, warmup, steps, args.micro_tokens, ce=kw.pop("ce", False), **kw)
+        uncompile(model)
     failed = [r for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
     for r in rows:

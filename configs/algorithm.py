@@ -129,13 +129,16 @@ class AlgorithmConfig(BaseModel):
         description="TIS weight per token, or one weight per sequence (product of token ratios: "
         "unbiased for sequence rewards but much higher variance).",
     )
-    old_logprobs: Literal["recompute", "behaviour"] = Field(
-        "recompute",
+    old_logprobs: Literal["auto", "recompute", "behaviour"] = Field(
+        "auto",
         description="π_old of the PPO ratio. recompute: the reference stage runs the current policy "
-        "over the batch, so the ratio starts at exactly 1 whatever engine sampled. behaviour: take "
-        "the generation engine's per-token log-probs and skip that forward (the HF engine's agree "
-        "with the recompute to float precision; vLLM's to ~1e-5). Not with tis_cap, whose weights "
-        "compare the two.",
+        "over the batch, so the ratio starts at exactly 1 whatever engine sampled. auto: the same "
+        "update without that forward when the update is one on-policy pass (ppo_epochs 1, the "
+        "batch fits one mini-batch, KL not in the rewards): π_old is then the training forward's "
+        "own log-probs, detached, which is what recompute computes (as verl's on-policy path and "
+        "TRL with num_iterations 1); otherwise recompute. behaviour: take the generation engine's "
+        "per-token log-probs and skip that forward (the HF engine's agree with the recompute to "
+        "float precision; vLLM's to ~1e-5). Not with tis_cap, whose weights compare the two.",
     )
     ppo_epochs: int = Field(
         1, ge=1,
@@ -276,6 +279,14 @@ class AlgorithmConfig(BaseModel):
     @classmethod
     def _kl_registered(cls, value: str) -> str:
         return _check_name("kl_estimator", value, registry.KL_ESTIMATORS)
+
+    def old_logprobs_in_update(self, rows: int, mini_batch_size: int) -> bool:
+        """Whether π_old comes from the actor update's own forward (`old_logprobs: auto` and the
+        update is one on-policy pass over `rows` samples): then no stage before training has to
+        recompute it. Only the rows count and settings decide, so the reference stage and the
+        trainer agree; and either answer gives a valid update (a recomputed or behaviour π_old)."""
+        kl_in_rewards = not self.use_kl_loss and self.kl_coef > 0  # the penalty needs π_old before the advantages
+        return self.old_logprobs == "auto" and self.ppo_epochs == 1 and rows <= mini_batch_size and not kl_in_rewards
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgorithmConfig":

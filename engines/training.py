@@ -121,6 +121,25 @@ def _lr_schedule(optimizer, warmup_steps, total_steps, min_lr_ratio):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def compile_decoder_layers(model) -> list[str]:
+    """torch.compile every decoder layer of a Hugging Face causal LM, in place (`nn.Module.compile`:
+    the parameters, their names and the saved checkpoint stay as they are); one graph serves all
+    layers (their parameters are its inputs). A KV cache passed through compiled layers makes dynamo
+    guard on each layer's cache entry and recompile per layer, so the update runs plain forwards
+    then (no shared prefix). Returns the compiled layers' names. Measured on an H200
+    (docs/benchmarks.md): the GRPO step of a Qwen2.5-0.5B shape went from 27.8% to 39.0% MFU, and
+    beat the eager shared-prefix forward on groups of 8 samples (1.28-1.48x); compiling only the
+    MLPs and norms, which would keep the shared prefix, gained less and lost at 75% prompt."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"training.compile: {type(model).__name__} has no decoder layers at "
+                         "model.get_decoder().layers (Hugging Face Llama/Qwen2/Mistral-style models have)")
+    for layer in layers:
+        layer.compile()
+    return [f"layers.{i}" for i in range(len(layers))]
+
+
 class _PPOEngine:
     """What the actor's and the critic's engines share: the strategy-wrapped module, its AdamW and
     LR schedule (and their state), and the update loop — `ppo_epochs` passes over shuffled
@@ -200,17 +219,21 @@ class TorchTrainEngine(_PPOEngine):
         total_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         strategy: TrainStrategy | None = None,
+        compile: bool = False,
     ):
         """`model` is the plain module (saved as the checkpoint); `self.module` is what the strategy
-        wrapped it into (forward goes through it)."""
+        wrapped it into (forward goes through it). `compile`: `compile_decoder_layers` first."""
         self.model = model
+        self.compiled = compile_decoder_layers(model) if compile else []
         super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
+        # a KV cache through compiled layers recompiles per layer: plain forwards then
+        self.shared_prefix = self.strategy.shared_prefix and not compile
 
     def train_step(
         self,
         batch: TokenBatch,
         advantages: torch.Tensor,          # [B, T]
-        old_logprobs: torch.Tensor,        # [B, T]
+        old_logprobs: torch.Tensor | None, # [B, T]; None: the forward's own log-probs, detached
         ref_logprobs: torch.Tensor | None, # [B, T]
         cfg: AlgorithmConfig,
         *,
@@ -222,10 +245,14 @@ class TorchTrainEngine(_PPOEngine):
         kl_coef: float | None = None,
     ) -> dict[str, float]:
         """`cfg.ppo_epochs` passes over shuffled mini-batches; returns averaged `actor/*` metrics.
+        `old_logprobs` None: π_old is each micro-batch's own log-probs, detached (the ratio is
+        exactly 1; valid only for one on-policy pass, `AlgorithmConfig.old_logprobs_in_update`),
+        and with `rollout_logprobs` given, `actor/behaviour_logprob_mae` = mean |π_old − behaviour|
+        per token (what the reference stage measures when it recomputes π_old).
         `rollout_logprobs` turn on truncated importance sampling when `cfg.tis_cap` is set;
         `kl_coef` is the KL controller's current β (None = `cfg.kl_coef`). Rows with zero advantage
         are skipped where that leaves the update unchanged (`zero_advantage_skippable`)."""
-        shared = self.strategy.shared_prefix
+        shared = self.shared_prefix
         run_rows = None
         beta = cfg.kl_coef if kl_coef is None else kl_coef
         if zero_advantage_skippable(cfg, cfg.use_kl_loss and ref_logprobs is not None and beta != 0):
@@ -233,11 +260,16 @@ class TorchTrainEngine(_PPOEngine):
 
         def micro_loss(sub, idx, t, num_tokens, num_seqs, ran):
             sub, old, ref, adv, behaviour = _to(
-                self.strategy.device, sub, old_logprobs[idx, :t], None if ref_logprobs is None else ref_logprobs[idx, :t],
+                self.strategy.device, sub, None if old_logprobs is None else old_logprobs[idx, :t],
+                None if ref_logprobs is None else ref_logprobs[idx, :t],
                 advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
             logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True, shared_prefix=shared)
+            if old is None:
+                old = logp.detach()
             loss, m = actor_loss(cfg, logp, old, ref, adv, sub.response_mask, entropy=entropy, num_tokens=num_tokens,
                                  num_seqs=num_seqs, rollout_logprobs=behaviour, kl_coef=kl_coef)
+            if old_logprobs is None and behaviour is not None:  # the mismatch the skipped recompute would have shown
+                m["actor/behaviour_logprob_mae"] = float(masked_mean((old - behaviour).abs(), sub.response_mask.float()))
             if run_rows is not None:  # the entropy metric over the rows that ran (the loss keeps the global counts)
                 m["actor/entropy"] = float(agg_loss(entropy.detach(), sub.response_mask, cfg.loss_agg_mode, num_tokens=ran[0],
                                                     num_seqs=ran[1], loss_scale_factor=cfg.loss_scale_factor))

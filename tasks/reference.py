@@ -4,9 +4,11 @@ PPO with GAE (`algorithm.advantage: gae`), the values of this iteration's critic
 with the policy checkpoint; at the first iteration a fresh one from the policy backbone).
 
 Forwards that cannot change the update are skipped: with `algorithm.kl_coef: 0` the reference
-model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0), and with
-`algorithm.old_logprobs: behaviour` the policy is not run (`old_logprobs` = the engine's
-`behaviour_logprobs`). The table keeps the same columns either way."""
+model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0), and the policy
+is not run with `algorithm.old_logprobs: behaviour`, nor with `auto` when the update is one
+on-policy pass (`AlgorithmConfig.old_logprobs_in_update`: the trainer then takes π_old from its own
+forward). Without the policy forward `old_logprobs` = the engine's `behaviour_logprobs`. The table
+keeps the same columns either way."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         models = {"reference": reference.key, "policy": policy.key}
         if cfg.algorithm.kl_coef == 0:
             models.pop("reference")
-        if cfg.algorithm.old_logprobs == "behaviour":
+        if cfg.algorithm.old_logprobs == "behaviour" or cfg.algorithm.old_logprobs_in_update(
+                len(batch), cfg.training.mini_batch_size):
             models.pop("policy")
         ray.get([worker.load.remote(role, spec, key) for role, key in models.items()])
         prompts = [list(p) for p in batch["prompt_token_ids"]]
@@ -60,7 +63,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         ref = np.concatenate([np.asarray(x, dtype=np.float64) for x in ref_lp] or [np.zeros(0)])
         if old.size:
             metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
-            metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
+            if "policy" in models:  # else old is the behaviour column itself (the trainer measures it)
+                metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
         publish_rollout_table(spec, df, policy, iteration)
     return df
 

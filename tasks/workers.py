@@ -252,7 +252,8 @@ class TrainWorker:
         strategy = training_cfg.get("strategy", "torch")
         opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
                    warmup_steps=training_cfg["warmup_steps"])
-        self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy), **opt)
+        self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy),
+                                       compile=training_cfg.get("compile", False), **opt)
         path = os.path.join(model_dir, TRAINER_STATE)
         state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
         if not state and key.startswith("runs/"):  # a run's own version without it: pruned
@@ -303,9 +304,10 @@ class TrainWorker:
         if self.critic_engine is not None:
             metrics.update(self.critic_engine.train_step(batch, update.returns, update.values, cfg, **sizes))
         if train_actor:
-            old = token_column(table, "old_logprobs", T)
+            in_update = cfg.old_logprobs_in_update(len(table), training_cfg["mini_batch_size"])
+            old = None if in_update else token_column(table, "old_logprobs", T)  # None: the update's own forward
             ref = token_column(table, "ref_logprobs", T)
-            behaviour = token_column(table, "behaviour_logprobs", T) if cfg.tis_cap is not None else None
+            behaviour = token_column(table, "behaviour_logprobs", T) if cfg.tis_cap is not None or in_update else None
             metrics.update(self.engine.train_step(batch, update.advantages, old, ref, cfg, temperature=temperature,
                                                   rollout_logprobs=behaviour, kl_coef=update.kl_coef, **sizes))
         self.algo_state = update.state

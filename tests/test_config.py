@@ -189,6 +189,13 @@ def test_every_field_is_described():
     walk(FlyrollConfig, "")
 
 
+def test_training_compile_only_with_the_torch_strategy(tmp_path):
+    assert parse_config({"training": {"compile": True}}).training.compile is True
+    msg = config_error(tmp_path, "training:\n  compile: true\n  strategy: ddp\n  num_workers: 2\n")
+    assert "training.compile is only built for strategy 'torch'" in msg
+    assert "compile" in config_error(tmp_path, "training:\n  compile: layers\n")
+
+
 def test_behaviour_old_logprobs_refuse_tis(tmp_path):
     assert parse_config({"algorithm": {"old_logprobs": "behaviour"}}).algorithm.old_logprobs == "behaviour"
     msg = config_error(tmp_path, "algorithm:\n  old_logprobs: behaviour\n  tis_cap: 2.0\n")

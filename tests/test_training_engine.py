@@ -119,6 +119,14 @@ def sgd_engine(model, lr: float = 0.5) -> TorchTrainEngine:
     return engine
 
 
+def assert_same_update(params, want, base, atol: float) -> None:
+    """`params` equal `want` within `atol`, and `want` is a real update of `base`'s parameters."""
+    start = params_of(base)
+    assert max(float((want[k] - start[k]).abs().max()) for k in start) > 1e-3  # a real update
+    for k in start:
+        torch.testing.assert_close(params[k], want[k], atol=atol, rtol=0, msg=k)
+
+
 def test_train_step_changes_parameters(tiny_policy):
     model = copy.deepcopy(tiny_policy[0])
     batch, adv, old, ref = rl_batch(tiny_policy[1], model)
@@ -144,10 +152,7 @@ def test_update_does_not_depend_on_micro_batch_size(tiny_policy, mode):
         m = sgd_engine(model).train_step(batch, adv, old, ref, cfg, mini_batch_size=4, max_tokens_per_micro_batch=cap)
         results.append((params_of(model), m))
     (p_small, m_small), (p_big, m_big) = results
-    start = params_of(base)
-    assert max(float((p_big[k] - start[k]).abs().max()) for k in start) > 1e-3  # a real update
-    for k in start:
-        torch.testing.assert_close(p_small[k], p_big[k], atol=1e-5, rtol=0, msg=k)
+    assert_same_update(p_small, p_big, base, atol=1e-5)
     for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
         assert m_small[k] == pytest.approx(m_big[k], abs=1e-5), k
 
@@ -211,10 +216,7 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(tiny_policy
     (p_all, m_all), (p_skip, m_skip) = runs[False], runs[True]
     assert m_all["actor/skipped_rows"] == 0.0
     assert 0.25 <= m_skip["actor/skipped_rows"] <= 0.5  # 4 of 8 rows, less one kept per mini-batch with no signal
-    start = params_of(base)
-    assert max(float((p_all[k] - start[k]).abs().max()) for k in start) > 1e-3  # a real update
-    for k in start:
-        torch.testing.assert_close(p_skip[k], p_all[k], atol=1e-6, rtol=0, msg=k)
+    assert_same_update(p_skip, p_all, base, atol=1e-6)
     for k in ("actor/pg_loss", "actor/grad_norm"):
         assert m_skip[k] == pytest.approx(m_all[k], abs=1e-6), k
 
@@ -282,6 +284,76 @@ def test_zero_advantage_rows_run_when_the_loss_needs_them(tiny_policy, cfg):
     m = TorchTrainEngine(copy.deepcopy(base), lr=1e-3).train_step(batch, adv, old, ref, cfg, mini_batch_size=8,
                                                                  max_tokens_per_micro_batch=64)
     assert m["actor/skipped_rows"] == 0.0
+
+
+@pytest.mark.parametrize("cfg", [
+    AlgorithmConfig(),                                                   # GRPO: k3 KL loss
+    AlgorithmConfig(use_kl_loss=False, kl_coef=0.0, policy_loss="gspo"),
+    AlgorithmConfig(use_kl_loss=False, kl_coef=0.0, tis_cap=2.0),        # TIS compares π_old with the engine's
+], ids=["grpo_kl_loss", "gspo", "tis"])
+def test_old_logprobs_from_the_update_equal_a_recompute(tiny_policy, cfg):
+    """One on-policy pass: π_old = the micro-batch's own log-probs, detached (old_logprobs=None)
+    gives the same parameters, loss and TIS weights as π_old recomputed by a separate forward."""
+    base, tok = tiny_policy
+    batch, adv, old, ref = rl_batch(tok, base)
+    g = torch.Generator().manual_seed(3)
+    behaviour = (old + 0.3 * (torch.rand(old.shape, generator=g) - 0.5)) * batch.response_mask  # a mismatched engine
+    runs = []
+    for o in (old, None):
+        model = copy.deepcopy(base)
+        m = sgd_engine(model).train_step(batch, adv, o, ref, cfg, mini_batch_size=8, max_tokens_per_micro_batch=64,
+                                         rollout_logprobs=behaviour)
+        runs.append((params_of(model), m))
+    (p_re, m_re), (p_in, m_in) = runs
+    assert_same_update(p_in, p_re, base, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/grad_norm") + (("actor/tis_weight_mean",) if cfg.tis_cap else ()):
+        assert m_in[k] == pytest.approx(m_re[k], abs=1e-6), k
+    assert "actor/behaviour_logprob_mae" not in m_re
+    want = float(((old - behaviour).abs() * batch.response_mask).sum() / batch.response_mask.sum())
+    assert m_in["actor/behaviour_logprob_mae"] == pytest.approx(want, rel=0.05)  # micro-batch means, weighted by rows
+
+
+def test_old_logprobs_in_update_only_for_one_on_policy_pass():
+    auto = AlgorithmConfig()
+    assert auto.old_logprobs == "auto" and auto.old_logprobs_in_update(rows=64, mini_batch_size=64)
+    assert not auto.old_logprobs_in_update(rows=65, mini_batch_size=64)                    # two optimizer steps
+    assert not AlgorithmConfig(ppo_epochs=2).old_logprobs_in_update(8, 64)                # a second epoch is off-policy
+    assert not AlgorithmConfig(use_kl_loss=False, kl_coef=0.01).old_logprobs_in_update(8, 64)  # KL in the rewards
+    assert AlgorithmConfig(use_kl_loss=False, kl_coef=0.0).old_logprobs_in_update(8, 64)
+    for mode in ("recompute", "behaviour"):
+        assert not AlgorithmConfig(old_logprobs=mode).old_logprobs_in_update(8, 64)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_give_the_same_update(tiny_policy):
+    """training.compile: the update with torch.compile'd decoder layers (inductor on CPU here) moves
+    the parameters as the eager one does, runs plain forwards (no shared prefix), and keeps the
+    checkpoint's parameter names. Groups of 4 rows share a prompt, as GRPO's samples do."""
+    base, tok = tiny_policy
+    batch, adv, old, ref = rl_batch(tok, base)
+    rows = [0, 0, 0, 0, 1, 1, 1, 1]
+    same, adv, old, ref = batch.select(rows), adv[rows], old[rows], ref[rows]
+    runs = {}
+    for compile in (False, True):
+        model = copy.deepcopy(base)
+        engine = TorchTrainEngine(model, compile=compile)
+        engine.optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0)
+        m = engine.train_step(same, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
+        runs[compile] = (params_of(model), m, engine)
+    (p_eager, m_eager, eager), (p_comp, m_comp, engine) = runs[False], runs[True]
+    assert eager.shared_prefix and not eager.compiled
+    assert not engine.shared_prefix and engine.compiled == [f"layers.{i}" for i in range(len(base.model.layers))]
+    assert list(p_comp) == list(p_eager)  # no _orig_mod prefixes: the checkpoint loads anywhere
+    assert_same_update(p_comp, p_eager, base, atol=1e-5)
+    assert m_comp["actor/pg_loss"] == pytest.approx(m_eager["actor/pg_loss"], abs=1e-5)
+
+
+def test_compile_needs_decoder_layers():
+    from engines.training import compile_decoder_layers
+
+    with pytest.raises(ValueError, match="no decoder layers"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
 
 
 def test_split_by_tokens_worked_example():

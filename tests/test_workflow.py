@@ -119,6 +119,8 @@ def test_metrics_params_and_model_versions_recorded(e2e_run):
     for k, s in steps.items():
         assert s, f"metric {k} missing"
     assert steps["reward/mean"] == [1, 2] and steps["eval/accuracy"] == [0, 1, 2]
+    # 16 samples in mini-batches of 8 (two optimizer steps): old_logprobs auto recomputes π_old
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "reference/forwards")] == [2.0, 2.0]
     versions = c.search_model_versions("name='flyroll-policy'")
     assert len(versions) == 2
     assert {v.tags["flyroll.iteration"] for v in versions} == {"1", "2"}
@@ -158,6 +160,21 @@ def test_kl_free_run_with_behaviour_logprobs_skips_both_reference_forwards(tmp_p
     assert len(df) == 16
     for beh, old, ref in zip(df["behaviour_logprobs"], df["old_logprobs"], df["ref_logprobs"]):
         assert list(old) == list(beh) == list(ref) and len(old) > 0
+
+
+@pytest.mark.slow
+def test_one_on_policy_pass_takes_old_logprobs_from_the_update(tmp_path):
+    """old_logprobs auto (the default) with the whole batch in one mini-batch: the reference stage
+    runs only the reference model, and the trainer's own log-probs agree with the HF engine's
+    behaviour log-probs (the gap the skipped recompute would have measured)."""
+    config = _config(tmp_path, training={"mini_batch_size": 16}, loop={"iterations": 1, "eval_every": 1})
+    proc = _pyflyte_run(tmp_path, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    c, run = _mlflow(tmp_path)
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "reference/forwards")] == [1.0]
+    (mae,) = c.get_metric_history(run.info.run_id, "actor/behaviour_logprob_mae")
+    assert 0.0 <= mae.value < 1e-4, mae.value
+    assert c.get_metric_history(run.info.run_id, "actor/pg_loss")
 
 
 @pytest.mark.parametrize(
