@@ -5,13 +5,17 @@ at a time so the benchmark can alternate them with TRL's.
 
 SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
 [{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb, release_memory, reward
-("shaped" | "exact", benchmarks/bench_reward.py).
+("shaped" | "exact", benchmarks/bench_reward.py), sync ("memory" | "files"; default "files").
 
 One step = rollout (len(problems) x samples completions, temperature 1, per-token log-probs)
 + scoring (the reward, rollout table, GRPO advantages, collation) + training (one AdamW
 update, token-mean, no KL; one on-policy pass, so π_old is the update's own forward, detached, as
 with flyroll's default `algorithm.old_logprobs: auto` and TRL with beta=0 and one iteration) +
-weight sync (save the policy, `engine.load_weights`).
+weight sync: `sync` "files" saves the policy (safetensors + tokenizer) and the engine loads it
+(`engine.load_weights`: what a generator in another process does, short of the object store);
+"memory" copies the trainer's parameters into the engine in place (`update_weights`: a trainer and
+an HF generator colocated in one process; TRL's own HF path generates with the training model
+itself and has no sync at all). vLLM runs its model in its own process: files only.
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
   -> READY {json}      after loading and one warm-up step. Freed memory is kept for reuse within and
@@ -74,6 +78,9 @@ def build(spec: dict):
     cfg = AlgorithmConfig(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
     trainer = TorchTrainEngine(policy, lr=spec["lr"])
     sync_dir = tempfile.mkdtemp(prefix=f"bench-sync-{spec['engine']}-")
+    in_memory = spec.get("sync", "files") == "memory"
+    if in_memory and spec["engine"] != "hf":
+        raise ValueError(f"sync 'memory' needs the hf engine ({spec['engine']} runs its model in its own process)")
 
     def step(seed: int) -> dict:
         t0 = time.perf_counter()
@@ -93,8 +100,11 @@ def build(spec: dict):
         m = trainer.train_step(batch, upd.advantages, None, None, cfg, mini_batch_size=len(df),
                                max_tokens_per_micro_batch=spec["micro_tokens"])
         t3 = time.perf_counter()
-        save_policy(policy, tok, sync_dir)
-        engine.load_weights(sync_dir)
+        if in_memory:
+            engine.update_weights(policy.named_parameters())
+        else:
+            save_policy(policy, tok, sync_dir)
+            engine.load_weights(sync_dir)
         t4 = time.perf_counter()
         return {"s": t4 - t0, "gen_s": t1 - t0, "score_s": t2 - t1, "train_s": t3 - t2, "sync_s": t4 - t3,
                 "samples": len(out), "tokens": sum(len(c.token_ids) for c in out),

@@ -9,10 +9,10 @@ Two savings in `response_logprobs`, both exact (same numbers up to float summati
   prompt: for SmolLM2 the head is ~1/5 of a token's FLOPs and the [B, P+T, V] float logits dominate
   the activation memory;
 - **shared prefixes**: GRPO-style batches hold G samples of each prompt. When rows repeat a prompt,
-  each distinct prompt is run once (U rows, with its KV cache), the cache is indexed out to the B
-  rows, and only the responses run per row. Gradients flow back through the indexed cache into the
-  one prompt forward, so training sees the same gradient for (U·P + B·T) tokens of compute instead
-  of B·(P+T).
+  each distinct prompt but its last token is run once (U rows, with its KV cache), the cache is
+  indexed out to the B rows, and only the last prompt token and the response run per row.
+  Gradients flow back through the indexed cache into the one prompt forward, so training sees the
+  same gradient for (U·(P-1) + B·(T+1)) tokens of compute instead of B·(P+T).
 """
 
 from __future__ import annotations
@@ -83,7 +83,13 @@ def cache_kwarg(cls) -> str:
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, str, object]:
     """Left-padded prompts through `model` with the KV cache on: (logits of the last position
-    [U, 1, V], the model's cache keyword, the cache), for a forward that continues from it."""
+    [U, 1, V], the model's cache keyword, the cache), for a forward that continues from it. A row
+    with no token at all (all padding) attends to its last pad, so its cache holds finite values
+    (the continuing forward masks those positions out; its logits here mean nothing)."""
+    empty = attention_mask.sum(-1) == 0
+    if bool(empty.any()):
+        attention_mask = attention_mask.clone()
+        attention_mask[empty, -1] = 1
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
                 use_cache=True, logits_to_keep=1)
     arg = cache_kwarg(type(model))
@@ -91,19 +97,20 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tup
 
 
 def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> torch.Tensor:
-    """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2)."""
+    """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2). Shared prefix:
+    the distinct prompts but their last token run once; each row then runs its last prompt token
+    and its response on the indexed cache, so the logits come out of one forward (no [B, T, V]
+    concatenation, forward or backward)."""
     P, T = batch.prompt_width, batch.responses.shape[1]
-    if shared_prefix:
+    if shared_prefix and P > 1:
         prompts, inverse = _distinct_prompts(batch)                              # [U, P], [B]
         if prompts.shape[0] < inverse.shape[0]:
-            last, arg, cache = prefill(model, prompts.clamp(min=0), (prompts >= 0).long())
-            first = last[inverse]                                                # [B, 1, V]: predicts response token 0
-            if T == 1:
-                return first
+            head = prompts[:, :-1]                                               # [U, P-1]
+            _, arg, cache = prefill(model, head.clamp(min=0), (head >= 0).long())
             cache.batch_select_indices(inverse)                                  # [U, ...] -> [B, ...], differentiable
-            rest = model(input_ids=batch.input_ids[:, P : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],
-                         position_ids=batch.position_ids[:, P : P + T - 1], use_cache=True, **{arg: cache})
-            return torch.cat([first, rest.logits], dim=1)
+            out = model(input_ids=batch.input_ids[:, P - 1 : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],
+                        position_ids=batch.position_ids[:, P - 1 : P + T - 1], use_cache=True, **{arg: cache})
+            return out.logits
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=T + 1)                           # positions P-1 .. P+T-1
     return out.logits[:, :T]

@@ -99,10 +99,23 @@ class HFGenerationEngine:
         state = {}
         for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
             state.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
-        if missing or unexpected:
-            raise ValueError(f"weights in {model_dir} do not match the engine's model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        self.update_weights(state.items(), source=model_dir)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors, source: str = "the given tensors") -> None:
+        """In-place weight update from (name, tensor) pairs in memory, e.g. a trainer's
+        `named_parameters()` in the same process (a colocated trainer and generator): one copy per
+        tensor (dtype and device converted), no files, no engine restart. Every weight of the
+        engine's model must be given (a tied LM head may be left out), under the same names."""
+        own, pairs = self.model.state_dict(), list(named_tensors)
+        unexpected = [name if name not in own else f"{name} {tuple(t.shape)} != {tuple(own[name].shape)}"
+                      for name, t in pairs if name not in own or own[name].shape != t.shape]
+        given = {name for name, _ in pairs}
+        missing = [k for k in own if k not in given and not k.endswith("lm_head.weight")]  # tied embeddings
+        if missing or unexpected:  # checked first: a refused update leaves the engine's weights as they were
+            raise ValueError(f"weights in {source} do not match the engine's model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        for name, tensor in pairs:
+            own[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:

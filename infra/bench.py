@@ -16,7 +16,10 @@ What runs (docs/benchmarks.md has the full story and the results):
 - Same prompts (B synthetic prompts x G samples), temperature 1, max new tokens, reward (`--reward`:
   shaped by default, so every group has non-zero advantages; benchmarks/bench_reward.py), learning
   rate, torch threads; no KL (TRL beta=0). A step = generation + reward + one update
-  (+ flyroll's weight sync into its engine). Workers: benchmarks/flyroll_grpo_step.py,
+  (+ flyroll's weight sync into its engine: `--sync memory`, the default, copies the trainer's
+  parameters into the HF engine in place, as a colocated trainer and generator do; `--sync files`
+  saves and loads a checkpoint directory, the vLLM engine's only way. TRL's HF path generates with
+  its training model and syncs nothing). Workers: benchmarks/flyroll_grpo_step.py,
   benchmarks/trl_grpo_step.py.
 - `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
   same batch, and its per-stage timings from MLflow (infra/bench_pipeline.py).
@@ -228,7 +231,8 @@ def compare_model(name: str, systems: list[tuple[str, list[str]]], spec: dict, a
             tag = f"{name}-{systems[0][0].split()[-1]}-{len(steps) + len(rows)}"
             spec_path = os.path.join(workdir, f"{tag}.json")
             with open(spec_path, "w") as f:
-                json.dump({**spec, "engine": system.split()[-1]}, f)
+                engine = system.split()[-1]
+                json.dump({**spec, "engine": engine, "sync": spec["sync"] if engine == "hf" else "files"}, f)
             wenv = {k: v for k, v in env.items() if k != "PYTHONPATH"} if system == TRL_SYSTEM else env
             w = Worker(system, argv + [spec_path], wenv, os.path.join(workdir, f"{tag}.log"))
             workers.append(w)  # closed by the finally below, also when interrupted while loading
@@ -274,7 +278,8 @@ def print_comparison(rows: list[dict], args) -> None:
     from rich.table import Table
 
     t = Table(title=f"GRPO step, {args.prompts} prompts x {args.samples} samples, max_new_tokens={args.max_new}, "
-                    f"lr={args.lr:g}, threads={args.threads}, reward={args.reward}, {args.batches} timed steps each (alternating)")
+                    f"lr={args.lr:g}, threads={args.threads}, reward={args.reward}, flyroll hf sync={args.sync} (vllm: files), "
+                    f"{args.batches} timed steps each (alternating)")
     for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok",
                 "rows trained", "RSS idle / peak GiB"):
         t.add_column(col, justify="left" if col in ("model", "system") else "right")
@@ -307,6 +312,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "row trains); exact: 1/0 (SmolLM2 scores 0 on every sample, all advantages are 0; flyroll skips "
                          "such rows). benchmarks/bench_reward.py")
     ap.add_argument("--micro-tokens", type=int, default=4096, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
+    ap.add_argument("--sync", choices=("memory", "files"), default="memory",
+                    help="flyroll hf's weight sync: copy the trainer's parameters in place (memory) or save + load a checkpoint "
+                         "directory (files); flyroll vllm always uses files")
     ap.add_argument("--kv-cache-gb", type=float, default=1, help="flyroll vllm: KV cache GiB")
     ap.add_argument("--flyroll-memory", choices=("release", "keep"), default="release",
                     help="flyroll's worker between steps: return its freed heap to the OS, as TRL's worker does (default), "
@@ -375,7 +383,8 @@ def cli_main(argv: list[str]) -> int:
         model_dir, chat = model_dirs[name]
         spec = {"model_dir": model_dir, "chat": chat, "problems": problems, "samples": args.samples, "max_new": args.max_new,
                 "batches": args.batches, "threads": args.threads, "lr": args.lr, "micro_tokens": args.micro_tokens,
-                "kv_cache_gb": args.kv_cache_gb, "release_memory": args.flyroll_memory == "release", "reward": args.reward}
+                "kv_cache_gb": args.kv_cache_gb, "release_memory": args.flyroll_memory == "release", "reward": args.reward,
+                "sync": args.sync}
         for group in groups:
             rows += compare_model(name, group, spec, args, workdir)
             dump()

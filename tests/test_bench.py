@@ -1,5 +1,6 @@
 """`flyroll bench` and benchmarks/gpu_mfu.py: the CLI answers, the arithmetic of the tables (hand-worked
-values), and the GPU script's CPU smoke run. No timing is asserted (speed lives in benchmarks/)."""
+values), flyroll's step worker on the tiny model (both weight-sync paths), and the GPU script's CPU
+smoke run. No timing is asserted (speed lives in benchmarks/)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from infra.bench_pipeline import iteration_breakdown, mean_breakdown
 def test_bench_help_lists_the_options():
     r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline", "--reward"):
+    for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline", "--reward", "--sync"):
         assert opt in r.stdout
     top = subprocess.run([sys.executable, "-m", "infra.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert "bench" in top.stdout
@@ -31,6 +32,38 @@ def test_bad_options_are_named():
     args = parse_args(["--models", "tiny", "--engines", "hf", "--batches", "2"])
     assert (args.models, args.engines, args.batches, args.threads, args.max_new) == ("tiny", "hf", 2, 2, 32)
     assert args.flyroll_memory == "release" and parse_args(["--flyroll-memory", "keep"]).flyroll_memory == "keep"
+    assert args.sync == "memory" and parse_args(["--sync", "files"]).sync == "files"
+    with pytest.raises(SystemExit):
+        parse_args(["--sync", "nccl"])
+
+
+@pytest.mark.parametrize("sync", ["memory", "files"])
+def test_flyroll_step_worker_trains_and_syncs_the_engine(tiny_model_dir, sync, monkeypatch):
+    """One timed step of benchmarks/flyroll_grpo_step.py: the update changes the policy and, either
+    way of syncing, the generation engine ends up with exactly the trained weights."""
+    import torch
+
+    from infra.bench import problems_for
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import flyroll_grpo_step
+
+    spec = {"engine": "hf", "model_dir": tiny_model_dir, "chat": False, "problems": problems_for(2), "samples": 4,
+            "max_new": 6, "threads": 1, "lr": 1e-2, "micro_tokens": 4096, "kv_cache_gb": 1, "reward": "shaped", "sync": sync}
+    step, close = flyroll_grpo_step.build(spec)
+    scope = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__)))
+    policy, engine = scope["policy"], scope["engine"]
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    try:
+        r = step(2001)
+    finally:
+        close()
+    assert r["samples"] == 8 and r["trained_rows"] > 0 and r["sync_s"] >= 0
+    served = dict(engine.model.named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in policy.named_parameters())
+    for n, p in policy.named_parameters():
+        assert torch.equal(served[n], p), n
+        assert served[n].data_ptr() != p.data_ptr()
 
 
 def test_summarise_is_totals_over_time_not_a_mean_of_rates():

@@ -250,6 +250,38 @@ def test_load_weights_replaces_the_policy(tiny_policy, tiny_model_dir):
     assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
 
 
+def test_update_weights_from_a_trainer_in_memory_equals_load_weights(tiny_policy, tiny_model_dir):
+    """A colocated trainer's parameters copied in place give the same samples and log-probs as the
+    same weights loaded from their saved directory; the engine keeps its own tensors (no aliasing)."""
+    model, tok = tiny_policy
+    params = SamplingParams(n=2, max_new_tokens=8, seed=3)
+    run = lambda engine: [(c.token_ids, c.logprobs) for c in engine.generate(encode(tok, PROMPTS), params)]
+    from_files = HFGenerationEngine(build_tiny_policy(**TINY, seed=1)[0], tok)
+    from_files.load_weights(tiny_model_dir)
+    other, _ = build_tiny_policy(**TINY, seed=1)
+    in_memory = HFGenerationEngine(other, tok)
+    assert [t for t, _ in run(in_memory)] != [t for t, _ in run(from_files)]
+    in_memory.update_weights(model.named_parameters())
+    assert run(in_memory) == run(from_files)
+    assert other.model.embed_tokens.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
+
+
+def test_update_weights_names_what_does_not_fit(tiny_policy):
+    model, tok = tiny_policy
+    engine = HFGenerationEngine(copy.deepcopy(model), tok)
+    shallow, _ = build_tiny_policy(**{**TINY, "num_layers": 1})
+    with pytest.raises(ValueError, match=r"missing=\['model.layers.1"):
+        engine.update_weights(shallow.named_parameters())
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    mixed = [(n, torch.zeros(*t.shape[:-1], t.shape[-1] + 1) if n == "model.norm.weight" else torch.zeros_like(t))
+             for n, t in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"model.norm.weight \(\d+,\) != "):
+        engine.update_weights(mixed)
+    for n, t in engine.model.state_dict().items():  # refused before any copy: nothing was zeroed
+        assert torch.equal(t, before[n]), n
+
+
 def test_load_weights_of_another_architecture_is_refused(tiny_policy, tmp_path):
     model, tok = tiny_policy
     shallow, _ = build_tiny_policy(**{**TINY, "num_layers": 1})

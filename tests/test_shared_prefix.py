@@ -77,6 +77,26 @@ def test_gradients_match_the_plain_forward(model):
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4), n
 
 
+def test_a_one_token_prompt_among_longer_ones(model):
+    """Its prefix (the prompt without its last token) is all padding: the shared prefill must still
+    leave finite values that the rows' forward masks out (a NaN there would spread to every row)."""
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6)]
+    rows = [0, 1, 0, 1, 0, 1]
+    batch = collate([prompts[r] for r in rows], [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in rows], pad_id=0)
+    grads = []
+    for shared in (True, False):
+        model.zero_grad()
+        logp, _ = response_logprobs(model, batch, shared_prefix=shared)
+        assert torch.isfinite(logp).all()
+        (logp * batch.response_mask).sum().backward()
+        grads.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    for n, g_shared in grads[0][1].items():
+        assert torch.allclose(g_shared, grads[1][1][n], atol=1e-5, rtol=1e-4), n
+
+
 def test_training_update_equals_the_every_row_update(tiny_policy):
     """One GRPO-style update with shared prefixes (the default on the torch strategy) lands on the
     same parameters as with every row's prompt run (micro-batches of a few rows, so groups also
