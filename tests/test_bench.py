@@ -48,8 +48,10 @@ def test_flyroll_step_worker_trains_and_syncs_the_engine(tiny_model_dir, sync, m
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import flyroll_grpo_step
 
+    # the worker sets process-wide state: keep pytest's malloc settings and thread count as they are
+    monkeypatch.setattr("engines.host_memory.keep_freed_memory", lambda: False)
     spec = {"engine": "hf", "model_dir": tiny_model_dir, "chat": False, "problems": problems_for(2), "samples": 4,
-            "max_new": 6, "threads": 1, "lr": 1e-2, "micro_tokens": 4096, "kv_cache_gb": 1, "reward": "shaped", "sync": sync}
+            "max_new": 6, "threads": torch.get_num_threads(), "lr": 1e-2, "micro_tokens": 4096, "kv_cache_gb": 1, "reward": "shaped", "sync": sync}
     step, close = flyroll_grpo_step.build(spec)
     scope = dict(zip(step.__code__.co_freevars, (c.cell_contents for c in step.__closure__)))
     policy, engine = scope["policy"], scope["engine"]
