@@ -52,23 +52,75 @@ class InverseCDFSampler(LogitsProcessor):
     binary search) and returns scores that are 0 at the drawn token and -inf elsewhere, so greedy
     decoding emits it. Put it last, after the temperature / top-k / top-p warpers; the draws come
     from torch's global generator (seeded by `SamplingParams.seed`). The float32 sum is exact to
-    ~1e-7 per token interval (float64 would cost 10 ms a step at 64 x 49k)."""
+    ~1e-7 per token interval (float64 would cost 10 ms a step at 64 x 49k). With a `recorder` it
+    also records each row's log-prob of its drawn token (`StepLogprobs.record`)."""
+
+    def __init__(self, recorder: "StepLogprobs | None" = None):
+        self.recorder = recorder
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         cdf = torch.softmax(scores.float(), dim=-1).cumsum_(-1)                            # [B, V]
         u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)     # first cdf > u
+        if self.recorder is not None:
+            self.recorder.record(scores, token)
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
-def sampling_processors(params: SamplingParams) -> LogitsProcessorList:
-    """transformers' own warpers for temperature, top-k and top-p, then the inverse-CDF draw."""
+class StepLogprobs(LogitsProcessor):
+    """The behaviour log-probs of a `generate` call, one [B] column per step, without keeping any
+    step's [B, V] logits (`output_logits` would hold B x T x V floats: 12.9 GB for 64 rows x 1024
+    tokens x 49k). As a processor it notes the log-normaliser of the scores it sees and passes them
+    on unchanged; put it right after the temperature warper, so the log-prob is log softmax(logits /
+    temperature) of the token (the distribution training recomputes; top-k / top-p only mask
+    entries, so the drawn token's score is the same after them). The draw calls `record` with the
+    chosen tokens: `InverseCDFSampler(recorder)` when sampling, `GreedyDraw(recorder)` when greedy.
+    (Processors that transformers adds from a model's own generation config, e.g. a repetition
+    penalty, run before this one, as they did before the draw.)"""
+
+    def __init__(self):
+        self.columns: list[torch.Tensor] = []
+        self._lse: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)               # [B, 1]
+        return scores
+
+    def record(self, scores: torch.Tensor, token: torch.Tensor) -> None:
+        """Log-prob of `token` [B, 1] given this step's `scores` [B, V] (the draw's input)."""
+        self.columns.append((scores.gather(1, token).float() - self._lse).squeeze(1))
+
+    def stacked(self, steps: int) -> torch.Tensor:
+        """[B, steps] log-probs of the first `steps` generated tokens."""
+        return torch.stack(self.columns[:steps], dim=1)
+
+
+class GreedyDraw(LogitsProcessor):
+    """Greedy decoding's last processor: records the log-prob of each row's argmax token and
+    returns the scores unchanged (so `generate` picks the same token)."""
+
+    def __init__(self, recorder: StepLogprobs):
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.recorder.record(scores, scores.argmax(-1, keepdim=True))
+        return scores
+
+
+def sampling_processors(params: SamplingParams, recorder: StepLogprobs | None = None) -> LogitsProcessorList:
+    """transformers' own warpers for temperature, top-k and top-p, then the inverse-CDF draw; with a
+    `recorder`, it notes the normaliser after the temperature and the draw records the log-probs
+    (greedy: the recorder and `GreedyDraw` only)."""
+    if params.temperature <= 0:
+        return LogitsProcessorList([recorder, GreedyDraw(recorder)] if recorder is not None else [])
     warpers = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    if recorder is not None:
+        warpers.append(recorder)
     if params.top_k > 0:
         warpers.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
-    return LogitsProcessorList([*warpers, InverseCDFSampler()])
+    return LogitsProcessorList([*warpers, InverseCDFSampler(recorder)])
 
 
 CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
@@ -135,7 +187,6 @@ class HFGenerationEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(self.model.device), attention.to(self.model.device)
-        greedy = params.temperature <= 0
         n_return, cache = params.n, {}
         if params.n > 1 and self.shared_prefill and width > 1:
             cache = self._prefill(input_ids[:, :-1], attention[:, :-1], params.n, params.max_new_tokens)  # generate runs the last token
@@ -145,12 +196,13 @@ class HFGenerationEngine:
             n_return = 1
         if params.seed is not None:
             torch.manual_seed(params.seed + offset)
-        gen = self.model.generate(
+        recorder = StepLogprobs()
+        seqs = self.model.generate(
             **cache,
             input_ids=input_ids,
             attention_mask=attention,
             do_sample=False,  # greedy over the sampler's output when sampling
-            logits_processor=None if greedy else sampling_processors(params),
+            logits_processor=sampling_processors(params, recorder),
             temperature=None, top_p=None, top_k=None,
             max_new_tokens=params.max_new_tokens,
             num_return_sequences=n_return,
@@ -158,14 +210,9 @@ class HFGenerationEngine:
             eos_token_id=eos_id,
             stop_strings=list(params.stop) or None,
             tokenizer=tok if params.stop else None,
-            return_dict_in_generate=True,
-            output_logits=True,
             disable_compile=not self.compile_decode,  # (else transformers compiles the forward on GPUs for a static cache)
-        )
-        seqs = gen.sequences[:, width:]                                       # [B*n, T]
-        scale = 1.0 if greedy else 1.0 / params.temperature                  # step by step: no [B*n, T, V] copies
-        logp = torch.stack([torch.log_softmax(step.float() * scale, dim=-1).gather(-1, seqs[:, t : t + 1]).squeeze(-1)
-                            for t, step in enumerate(gen.logits)], dim=1)     # [B*n, T]
+        )[:, width:]                                                          # [B*n, T]
+        logp = recorder.stacked(seqs.shape[1])                                # [B*n, T]
         completions = []
         for row in range(seqs.shape[0]):
             ids = seqs[row].tolist()

@@ -187,12 +187,16 @@ def test_sampling_processors_apply_temperature_top_k_and_top_p():
     assert nucleus[2] == nucleus[3] == 0 and abs(nucleus[0] - 4 / 7) < 0.01
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_behaviour_logprobs_match_recomputation(tiny_policy, temperature):
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_behaviour_logprobs_match_recomputation(tiny_policy, temperature, top_k, top_p):
+    """The engine's per-step log-probs (recorded while decoding, no logits kept) are the training
+    forward's log softmax(logits / temperature) of the same tokens: greedy included (raw logits),
+    and top-k / top-p only restrict which tokens can be drawn, not the log-prob's distribution."""
     model, tok = tiny_policy
     engine = HFGenerationEngine(model, tok)
     prompts = encode(tok, PROMPTS)
-    out = engine.generate(prompts, SamplingParams(n=3, temperature=temperature, max_new_tokens=10, seed=0))
+    params = SamplingParams(n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, seed=0)
+    out = engine.generate(prompts, params)
     batch = collate([prompts[c.prompt_index] for c in out], [c.token_ids for c in out], tok.pad_token_id)
     recomputed = batched_logprobs(model, batch, micro_batch=5, temperature=temperature)
     behaviour = torch.zeros_like(recomputed)
