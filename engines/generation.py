@@ -12,11 +12,12 @@ produced (no re-tokenisation drift).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                           TopPLogitsWarper)
 
 
@@ -75,8 +76,8 @@ class StepLogprobs(LogitsProcessor):
     temperature) of the token (the distribution training recomputes; top-k / top-p only mask
     entries, so the drawn token's score is the same after them). The draw calls `record` with the
     chosen tokens: `InverseCDFSampler(recorder)` when sampling, `GreedyDraw(recorder)` when greedy.
-    (Processors that transformers adds from a model's own generation config, e.g. a repetition
-    penalty, run before this one, as they did before the draw.)"""
+    (Processors that transformers would add from a model's own generation config run before this
+    one; the engine generates under `policy_only_generation_config`, so there are none.)"""
 
     def __init__(self):
         self.columns: list[torch.Tensor] = []
@@ -121,6 +122,23 @@ def sampling_processors(params: SamplingParams, recorder: StepLogprobs | None = 
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
     return LogitsProcessorList([*warpers, InverseCDFSampler(recorder)])
+
+
+@contextlib.contextmanager
+def policy_only_generation_config(model):
+    """While generating, `model.generation_config` holds only its special-token ids. transformers
+    fills every generation setting a call leaves unset from the model's own generation config, and
+    some add logits processors that change the distribution even in greedy decoding (Qwen2.5-Instruct
+    ships `repetition_penalty: 1.05`), so rollouts would not be samples of the policy that training
+    scores. The engine's distribution is its `SamplingParams` only, as with vLLM given explicit
+    sampling params."""
+    own = model.generation_config
+    ids = {k: getattr(own, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
+    model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
@@ -197,21 +215,22 @@ class HFGenerationEngine:
         if params.seed is not None:
             torch.manual_seed(params.seed + offset)
         recorder = StepLogprobs()
-        seqs = self.model.generate(
-            **cache,
-            input_ids=input_ids,
-            attention_mask=attention,
-            do_sample=False,  # greedy over the sampler's output when sampling
-            logits_processor=sampling_processors(params, recorder),
-            temperature=None, top_p=None, top_k=None,
-            max_new_tokens=params.max_new_tokens,
-            num_return_sequences=n_return,
-            pad_token_id=pad_id,
-            eos_token_id=eos_id,
-            stop_strings=list(params.stop) or None,
-            tokenizer=tok if params.stop else None,
-            disable_compile=not self.compile_decode,  # (else transformers compiles the forward on GPUs for a static cache)
-        )[:, width:]                                                          # [B*n, T]
+        with policy_only_generation_config(self.model):
+            seqs = self.model.generate(
+                **cache,
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=False,  # greedy over the sampler's output when sampling
+                logits_processor=sampling_processors(params, recorder),
+                temperature=None, top_p=None, top_k=None,
+                max_new_tokens=params.max_new_tokens,
+                num_return_sequences=n_return,
+                pad_token_id=pad_id,
+                eos_token_id=eos_id,
+                stop_strings=list(params.stop) or None,
+                tokenizer=tok if params.stop else None,
+                disable_compile=not self.compile_decode,  # (else transformers compiles the forward on GPUs for a static cache)
+            )[:, width:]                                                      # [B*n, T]
         logp = recorder.stacked(seqs.shape[1])                                # [B*n, T]
         completions = []
         for row in range(seqs.shape[0]):
