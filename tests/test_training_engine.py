@@ -17,7 +17,7 @@ from engines.algorithms.objective import actor_loss
 from engines.batching import batched_logprobs, collate, response_logprobs, token_logprobs_and_entropy
 from engines.modeling import SPECIAL_TOKENS
 from engines.synthetic import make_problems
-from engines.training import TorchTrainEngine, split_by_tokens
+from engines.training import TorchTrainEngine, balance_split, split_by_tokens
 from tests.test_engines import PROMPTS, encode, params_of
 
 torch.set_num_threads(1)
@@ -373,6 +373,37 @@ def test_split_by_tokens_respects_the_cap(seed):
     assert [i for g in groups for i in g] == list(range(len(lengths)))  # order kept, all rows once
     for g in groups:
         assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= cap
+
+
+def test_balance_split_spreads_rows_evenly_over_whole_groups():
+    """An 8 x 8 GRPO batch (prompts 45 tokens, responses 32, cap 4096): greedy fills 53 rows (77 x 53
+    = 4081 tokens) and leaves 11, a group cut in two; balanced gives 32 + 32, four whole groups each."""
+    n, ids = 64, [i // 8 for i in range(64)]
+    assert [len(r) for r in split_by_tokens([45] * n, 4096, [32] * n)] == [53, 11]
+    assert balance_split([45] * n, 4096, [32] * n, ids) == [list(range(32)), list(range(32, 64))]
+    # 3 micro-batches of 8 groups: cuts at 21.3 / 42.7 snap to the group boundaries 24 and 40
+    assert [len(r) for r in balance_split([45] * n, 2000, [32] * n, ids)] == [24, 16, 24]
+    # without prompt ids: equal row counts
+    assert [len(r) for r in balance_split([45] * n, 2000, [32] * n)] == [21, 22, 21]
+
+
+def test_balance_split_falls_back_to_greedy_when_even_runs_break_the_cap():
+    lengths = [30, 1, 1, 1, 1, 1]  # a long first row: any even run holding it with others is over the cap
+    assert balance_split(lengths, 32) == split_by_tokens(lengths, 32) == [[0], [1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balance_split_keeps_rows_count_and_cap(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 60)
+    lengths, resp = [rng.randint(1, 40) for _ in range(n)], [rng.randint(1, 20) for _ in range(n)]
+    ids = sorted(rng.randint(0, 6) for _ in range(n))
+    cap = rng.randint(60, 400)
+    runs = balance_split(lengths, cap, resp, ids)
+    assert [i for r in runs for i in r] == list(range(n))
+    assert len(runs) == len(split_by_tokens(lengths, cap, resp))
+    for r in runs:
+        assert len(r) == 1 or len(r) * (max(lengths[i] for i in r) + max(resp[i] for i in r)) <= cap
 
 
 def test_micro_batch_forward_respects_the_token_cap(tiny_policy):
