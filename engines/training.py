@@ -103,9 +103,10 @@ def _trim(sub: TokenBatch) -> tuple[TokenBatch, int]:
 def _micro_steps(strategy: TrainStrategy, mini: list[int], prompt_lens: list[int], resp_lens: list[int],
                  max_tokens: int, groups: list[int] | None = None) -> list[tuple[list[int], float]]:
     """(row indices, weight) of each forward/backward this rank runs for mini-batch `mini`: its
-    shard split by token count into evenly sized micro-batches (`balance_split`), padded with zero-weighted rows to the busiest rank's count. With
-    `groups` (prompt id per row) the mini-batch's rows are ordered by prompt first, so a micro-batch
-    holds whole groups and shares their prefix (same rows, same sum: the update is unchanged)."""
+    shard split by token count into evenly sized micro-batches (`balance_split`), padded with
+    zero-weighted rows to the busiest rank's count. With `groups` (prompt id per row) the
+    mini-batch's rows are ordered by prompt first, so a micro-batch holds whole groups and shares
+    their prefix (same rows, same sum: the update is unchanged)."""
     if groups is not None:
         mini = sorted(mini, key=lambda i: groups[i])  # stable: the shuffled order stays within a group
     splits = []
