@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,12 +81,21 @@ def main() -> None:
         print("RESULT " + json.dumps(child(**json.loads(args.child))), flush=True)
         return
     from rich.console import Console
-    from rich.table import Table
 
     from infra.bench import prepare_model
 
     root = tempfile.mkdtemp(prefix="flyroll-rollout-logprobs-")
-    model_dir, chat = prepare_model(args.model, root)
+    try:
+        table = run_all(args, *prepare_model(args.model, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # the prepared model (0.5 GB for SmolLM2)
+    Console().print(table)
+
+
+def run_all(args, model_dir: str, chat: bool):
+    """Each (max_new, way) in its own child process, alternating; a rich table of the results."""
+    from rich.table import Table
+
     table = Table(title=f"{args.model}: 8 prompts x 8 samples, temperature 1, 2 threads, {args.repeats} rollouts after a warm-up")
     for col in ("max new", "log-probs", "s per rollout", "tokens", "peak - start GiB"):
         table.add_column(col)
@@ -100,7 +110,7 @@ def main() -> None:
             r = json.loads(line[0][7:])
             table.add_row(str(max_new), way, " ".join(f"{s:.2f}" for s in r["secs"]), str(r["tokens"]),
                           f"{r['peak_gb'] - r['rss_gb']:.2f}")
-    Console().print(table)
+    return table
 
 
 if __name__ == "__main__":
