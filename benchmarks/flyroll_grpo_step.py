@@ -69,11 +69,8 @@ def build(spec: dict):
 
         engine = VLLMGenerationEngine(model_dir, max_model_len=None, kv_cache_gb=spec["kv_cache_gb"], seed=0,
                                       cpu_bind="0" if spec["threads"] == 1 else f"0-{spec['threads'] - 1}")
-    if spec["chat"]:  # the chat template as text, then plain encoding (as TRL does for conversational prompts)
-        ids = [tok(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for p in problems]
-    else:
-        ids = encode_prompts(tok, [p["prompt"] for p in problems], False)
+    # with chat: the template as text, then plain encoding (as TRL does for conversational prompts)
+    ids = encode_prompts(tok, [p["prompt"] for p in problems], spec["chat"])
     params = SamplingParams(n=spec["samples"], temperature=1.0, max_new_tokens=spec["max_new"])
     cfg = AlgorithmConfig(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
     trainer = TorchTrainEngine(policy, lr=spec["lr"])

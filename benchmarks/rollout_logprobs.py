@@ -31,18 +31,14 @@ def child(way: str, model_dir: str, chat: bool, max_new: int, repeats: int) -> d
     sys.path.insert(0, HERE)
     from worker_memory import rss_gb
 
+    from engines.evaluation import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams, StepLogprobs, sampling_processors
     from engines.modeling import load_policy
     from infra.bench import problems_for
 
     torch.set_num_threads(2)
     model, tok = load_policy(model_dir)
-    prompts = [p["prompt"] for p in problems_for(8)]
-    if chat:
-        ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"] for p in prompts]
-    else:
-        ids = [tok(p)["input_ids"] for p in prompts]
+    ids = encode_prompts(tok, [p["prompt"] for p in problems_for(8)], chat)  # as flyroll bench encodes them
     engine = HFGenerationEngine(model, tok)
     if way == "output_logits":  # the engine's generate call before, with transformers' stored logits
         real = model.generate
