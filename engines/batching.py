@@ -111,60 +111,107 @@ def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> tor
             out = model(input_ids=batch.input_ids[:, P - 1 : P + T - 1], attention_mask=batch.attention_mask[:, : P + T - 1],
                         position_ids=batch.position_ids[:, P - 1 : P + T - 1], use_cache=True, **{arg: cache})
             return out.logits
+    keep = torch.arange(P - 1, P + T - 1, device=batch.input_ids.device)          # positions P-1 .. P+T-2
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=T + 1)                           # positions P-1 .. P+T-1
-    return out.logits[:, :T]
+                use_cache=False, logits_to_keep=keep)
+    return out.logits
 
 
 def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
                       shared_prefix: bool = True):
-    """Per-token log-probs [B, T] of the responses under `model` (and entropy [B, T] if asked).
-    `shared_prefix=False` runs every row's prompt (for wrappers that allow one forward per backward)."""
-    logits = response_logits(model, batch, shared_prefix).float()           # [B, T, V]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    if with_entropy:
-        return token_logprobs_and_entropy(logits, batch.responses)
-    B, T, V = logits.shape
-    nll = torch.nn.functional.cross_entropy(logits.reshape(B * T, V), batch.responses.reshape(B * T), reduction="none")
-    return -nll.view(B, T), None
+    """Per-token log-probs [B, T] of the responses under `model` (and entropy [B, T] if asked, else
+    None). `shared_prefix=False` runs every row's prompt (for wrappers that allow one forward per
+    backward). The [B, T, V] logits are the model's own output and nobody else holds them, so the
+    log-softmax (and later its gradient) is written over them (`token_logprobs_and_entropy`'s
+    `overwrite`)."""
+    logits = response_logits(model, batch, shared_prefix).float()            # [B, T, V]
+    return token_logprobs_and_entropy(logits, batch.responses, temperature, with_entropy, overwrite=True)
+
+
+_CHUNK_ELEMENTS = 1 << 20  # ~4 MB float32: each pass over the vocabulary takes this many logits at a time
+
+
+def _row_chunks(n_rows: int, vocab: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+    return (slice(s, min(n_rows, s + step)) for s in range(0, n_rows, step))
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
-    """log softmax(z)[target] and the entropy of softmax(z) per position. The entropy's
-    exp·mul·sum over [B, T, V] runs without autograd (nothing of it is kept for backward), and the
-    backward is written out from the saved log-softmax: d logp/dz = onehot - p, d H/dz = -p (log p + H)."""
+    """log softmax(z / τ)[target] and the entropy of softmax(z / τ) per position, in passes of
+    `_CHUNK_ELEMENTS` logits: the only [B, T, V] tensor is the one holding the log-softmax (with
+    `overwrite`: the logits' own storage, so none is allocated at all), and the backward writes the
+    gradient into that same tensor, d logp/dz = (onehot - p)/τ, d H/dz = -p (log p + H)/τ.
+
+    Why: every fresh [B, T, V] float tensor is 200 MB for a 32 x 32 SmolLM2 micro-batch, and a
+    fresh one is faulted in page by page (~0.05 s, and ~0.4 s where the pages had gone back to the
+    host); the straightforward version allocated five (log-softmax, exp, p, coefficient, grad)."""
 
     @staticmethod
-    def forward(ctx, logits, targets):
-        logsm = torch.log_softmax(logits, dim=-1)                                    # [B, T, V]
-        logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)                   # [B, T]
-        entropy = -torch.exp(logsm).mul_(logsm).sum(-1)                              # [B, T]
-        ctx.save_for_backward(logsm, targets, entropy)
+    def forward(ctx, logits, targets, temperature, with_entropy, overwrite):
+        V = logits.shape[-1]
+        z = logits.detach()
+        if not (overwrite and z.is_contiguous()):
+            z = z.clone(memory_format=torch.contiguous_format)
+        flat, tgt = z.view(-1, V), targets.reshape(-1)
+        entropy = torch.empty(flat.shape[0], dtype=z.dtype, device=z.device) if with_entropy else None
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else None
+        for c in _row_chunks(flat.shape[0], V):
+            zc = flat[c]
+            if scale is not None:
+                zc.mul_(scale)
+            zc.sub_(torch.logsumexp(zc, -1, keepdim=True))                           # log-softmax, in place
+            if with_entropy:
+                entropy[c] = -torch.exp(zc).mul_(zc).sum(-1)
+        logp = flat.gather(-1, tgt.unsqueeze(-1)).view(targets.shape)
+        ctx.save_for_backward(z, targets, entropy)
+        ctx.scale, ctx.overwrite, ctx.used = scale, overwrite, False
         ctx.set_materialize_grads(False)
-        return logp, entropy
+        if with_entropy:
+            return logp, entropy.view(targets.shape)
+        return logp, None
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy):
+    def backward(ctx, g_logp, g_entropy, *_):
         if g_logp is None and g_entropy is None:
-            return None, None
+            return None, None, None, None, None
+        if ctx.used:  # overwrite: the saved log-softmax has become the gradient
+            raise RuntimeError("token_logprobs_and_entropy(overwrite=True): backward ran twice through the "
+                               "same graph (retain_graph); it writes the gradient over its saved log-softmax")
         logsm, targets, entropy = ctx.saved_tensors
-        p = torch.exp(logsm)
-        if g_entropy is None:
-            grad = p.mul_(-g_logp.unsqueeze(-1))
+        if ctx.overwrite:
+            ctx.used = True
         else:
-            coef = (logsm + entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1))
-            if g_logp is not None:
-                coef.add_(g_logp.unsqueeze(-1))
-            grad = coef.mul_(p).neg_()
-        if g_logp is not None:
-            grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))
-        return grad, None
+            logsm = logsm.clone()
+        V = logsm.shape[-1]
+        grad = logsm.view(-1, V)
+        gl = None if g_logp is None else g_logp.reshape(-1, 1)
+        gh = None if g_entropy is None else g_entropy.reshape(-1, 1)
+        h = None if gh is None else entropy.view(-1, 1)
+        for c in _row_chunks(grad.shape[0], V):
+            lc = grad[c]
+            p = torch.exp(lc)
+            if gh is None:
+                lc.copy_(p).mul_(-gl[c])
+            else:
+                lc.add_(h[c]).mul_(gh[c])
+                if gl is not None:
+                    lc.add_(gl[c])
+                lc.mul_(p).neg_()
+        if gl is not None:
+            grad.scatter_add_(-1, targets.reshape(-1, 1), gl)
+        if ctx.scale is not None:
+            grad.mul_(ctx.scale)
+        return logsm, None, None, None, None
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [B, T] of `targets` under softmax(logits [B, T, V]), entropies [B, T]), differentiable."""
-    return _LogProbsAndEntropy.apply(logits, targets)
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                               with_entropy: bool = True, overwrite: bool = False):
+    """(log-probs [B, T] of `targets` under softmax(logits [B, T, V] / temperature), entropies [B, T]
+    or None), differentiable. `overwrite=True`: the caller hands over `logits` -- its storage then
+    holds the log-softmax and, in backward, the gradient (no [B, T, V] tensor is allocated; a
+    non-contiguous `logits` is copied anyway) and the backward may run only once; without it,
+    one [B, T, V] tensor is allocated in forward and one per backward."""
+    return _LogProbsAndEntropy.apply(logits, targets, temperature, with_entropy, overwrite)
 
 
 @torch.no_grad()

@@ -62,28 +62,50 @@ def test_response_logprobs_ignore_padding(tiny_policy):
     assert ((ent >= 0) & (ent <= torch.log(torch.tensor(float(len(tok)))) + 1e-5)).all()
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("use", ["logp", "entropy", "both"])
-def test_fused_logprobs_and_entropy_match_log_softmax(use):
+def test_fused_logprobs_and_entropy_match_log_softmax(use, temperature, monkeypatch):
     """Values and gradients of token_logprobs_and_entropy equal log_softmax + gather and
-    -(p log p).sum (float64), whichever outputs the loss uses; torch's gradcheck agrees too."""
+    -(p log p).sum of logits / temperature (float64), whichever outputs the loss uses, computed in
+    several chunks of positions, with and without overwriting the logits; torch's gradcheck agrees."""
+    import engines.batching as batching
+
+    monkeypatch.setattr(batching, "_CHUNK_ELEMENTS", 5 * 50)  # 5 positions a pass: 24 rows -> 5 chunks
     torch.manual_seed(0)
-    logits = (3 * torch.randn(4, 6, 50, dtype=torch.float64)).requires_grad_()
+    leaf = (3 * torch.randn(4, 6, 50, dtype=torch.float64)).requires_grad_()
     targets = torch.randint(0, 50, (4, 6))
     w_lp, w_h = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
 
     def loss(lp, h):
         return {"logp": (w_lp * lp).sum(), "entropy": (w_h * h).sum(), "both": (w_lp * lp).sum() + (w_h * h).sum()}[use]
 
-    lp, h = token_logprobs_and_entropy(logits, targets)
-    (grad,) = torch.autograd.grad(loss(lp, h), logits)
-    ls = torch.log_softmax(logits, -1)
+    ls = torch.log_softmax(leaf / temperature, -1)
     ref_lp, ref_h = ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
-    (ref_grad,) = torch.autograd.grad(loss(ref_lp, ref_h), logits)
+    (ref_grad,) = torch.autograd.grad(loss(ref_lp, ref_h), leaf)
+    for overwrite in (False, True):
+        logits = leaf * 1.0  # an intermediate, as a model's output is
+        before = logits.detach().clone()
+        lp, h = token_logprobs_and_entropy(logits, targets, temperature, overwrite=overwrite)
+        assert torch.equal(logits.detach(), before) != overwrite  # overwritten only when handed over
+        (grad,) = torch.autograd.grad(loss(lp, h), leaf)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+        torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
+    lp, _ = token_logprobs_and_entropy(leaf * 1.0, targets, temperature, with_entropy=False, overwrite=True)
     torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
-    torch.testing.assert_close(h, ref_h, atol=1e-12, rtol=0)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=0)
-    small = logits[:2, :3, :7].detach().clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda z: token_logprobs_and_entropy(z, targets[:2, :3] % 7), (small,))
+    small = leaf[:2, :3, :7].detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: token_logprobs_and_entropy(z, targets[:2, :3] % 7, temperature), (small,))
+
+
+def test_overwriting_logprobs_refuse_a_second_backward():
+    """With overwrite the gradient is written over the saved log-softmax, so a second backward
+    through the same graph would be wrong: it raises instead."""
+    leaf = torch.randn(2, 3, 11, requires_grad=True)
+    lp, h = token_logprobs_and_entropy(leaf * 1.0, torch.zeros(2, 3, dtype=torch.long), overwrite=True)
+    total = lp.sum() + h.sum()
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        total.backward()
 
 
 # ================================================================================================
