@@ -173,6 +173,24 @@ def compile_decoder_layers(model) -> list[str]:
     return [f"layers.{i}" for i in range(len(layers))]
 
 
+def sparse_tied_embedding_grad(model) -> bool:
+    """When the input embedding shares its weight with the LM head (SmolLM2, Qwen2.5 <= 3B), make
+    the embedding's backward sparse (`nn.Embedding.sparse`), in place. Its dense backward builds a
+    zero [V, H] tensor and adds every token's gradient into it, once per forward (twice per
+    micro-batch with the shared prefix), and autograd then adds that to the LM head's [V, H]
+    gradient out of place: three [V, H] tensors (113 MB each for SmolLM2) written per forward for
+    the few hundred rows a batch touches. A sparse gradient is added into the LM head's dense one,
+    so the parameter's `.grad` is still dense (fused AdamW and gradient clipping see the same
+    tensor). Untied embeddings keep the dense backward: their gradient would stay sparse, which
+    AdamW refuses. Returns whether it changed the embedding."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(emb, torch.nn.Embedding) or out is None or getattr(out, "weight", None) is not emb.weight:
+        return False
+    emb.sparse = True
+    return True
+
+
 class _PPOEngine:
     """What the actor's and the critic's engines share: the strategy-wrapped module, its AdamW and
     LR schedule (and their state), and the update loop — `ppo_epochs` passes over shuffled
@@ -259,6 +277,9 @@ class TorchTrainEngine(_PPOEngine):
         self.model = model
         self.compiled = compile_decoder_layers(model) if compile else []
         super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
+        # one process, plain module: the sparse embedding gradient (the wrappers' reducers and
+        # shards expect dense gradients)
+        self.sparse_embedding = self.strategy.name == "torch" and sparse_tied_embedding_grad(model)
         # a KV cache through compiled layers recompiles per layer: plain forwards then
         self.shared_prefix = self.strategy.shared_prefix and not compile
 

@@ -311,7 +311,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="shaped: exact match 1, answer present 0.5, else a brevity term (groups almost never tie, every "
                          "row trains); exact: 1/0 (SmolLM2 scores 0 on every sample, all advantages are 0; flyroll skips "
                          "such rows). benchmarks/bench_reward.py")
-    ap.add_argument("--micro-tokens", type=int, default=4096, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
+    ap.add_argument("--micro-tokens", type=int, default=2048, help="flyroll: padded tokens per forward/backward (the SmolLM2 preset's)")
     ap.add_argument("--sync", choices=("memory", "files"), default="memory",
                     help="flyroll hf's weight sync: copy the trainer's parameters in place (memory) or save + load a checkpoint "
                          "directory (files); flyroll vllm always uses files")

@@ -371,6 +371,41 @@ def test_compiled_decoder_layers_give_the_same_update(tiny_policy):
     assert m_comp["actor/pg_loss"] == pytest.approx(m_eager["actor/pg_loss"], abs=1e-5)
 
 
+@pytest.mark.parametrize("rows", [None, [0, 0, 0, 0, 1, 1, 1, 1]], ids=["distinct", "shared-prefix"])
+def test_sparse_tied_embedding_gradient_gives_the_same_update(tiny_policy, rows):
+    """The tied embedding's sparse backward (engines/training.py sparse_tied_embedding_grad): the
+    same update as the dense one, with distinct prompts and with groups sharing their prefix (two
+    embedding lookups per micro-batch), and the parameter's gradient stays dense."""
+    base, tok = tiny_policy
+    batch, adv, old, ref = rl_batch(tok, base)
+    if rows is not None:
+        batch, adv, old, ref = batch.select(rows), adv[rows], old[rows], ref[rows]
+    runs = {}
+    for sparse in (False, True):
+        model = copy.deepcopy(base)
+        engine = sgd_engine(model)
+        emb = model.get_input_embeddings()
+        assert engine.sparse_embedding and emb.sparse  # tiny_policy ties its embeddings
+        emb.sparse = sparse
+        engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=4, max_tokens_per_micro_batch=48)
+        assert emb.weight.grad.layout == torch.strided and model.get_output_embeddings().weight is emb.weight
+        runs[sparse] = params_of(model)
+    assert_same_update(runs[True], runs[False], base, atol=1e-6)
+
+
+def test_untied_embeddings_keep_the_dense_gradient(tiny_policy):
+    """Without a tied LM head the embedding's gradient would stay sparse, which AdamW refuses: its
+    backward stays dense, and an AdamW update runs."""
+    base, tok = tiny_policy
+    model = type(base)(type(base.config)(**{**base.config.to_dict(), "tie_word_embeddings": False}))
+    engine = TorchTrainEngine(model, lr=1e-3)
+    assert not engine.sparse_embedding and not model.get_input_embeddings().sparse
+    batch, adv, old, ref = rl_batch(tok, model)
+    before = params_of(model)
+    engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
+    assert not torch.equal(before["model.embed_tokens.weight"], params_of(model)["model.embed_tokens.weight"])
+
+
 def test_compile_needs_decoder_layers():
     from engines.training import compile_decoder_layers
 
