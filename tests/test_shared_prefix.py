@@ -179,3 +179,38 @@ def test_compiled_decode_rounds_the_static_cache_up_and_keeps_the_samples(model,
     assert [c.token_ids for c in compiled] == [c.token_ids for c in exact]
     for a, b in zip(compiled, exact):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_native_gqa_attention_gives_the_same_logprobs_and_gradients(model, shared, monkeypatch):
+    """engines/batching.py native_gqa: on CPU the log-prob forwards run transformers' SDPA with
+    `enable_gqa` and give the log-probs and gradients of the key/value head copy it replaces
+    (what runs where the user set TRANSFORMERS_SDPA_FORCE_GQA=0), on left-padded rows (a mask) with
+    and without the shared prefix; the variable is unset again afterwards."""
+    import os
+
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query attention
+    batch = _grpo_batch(model.config.vocab_size, seed=2)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa", False))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    runs = {}
+    for user in ("0", None):
+        if user is None:
+            monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+        else:
+            monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", user)
+        calls.clear()
+        model.zero_grad()
+        logp, entropy = response_logprobs(model, batch, with_entropy=True, shared_prefix=shared)
+        ((logp + 0.1 * entropy) * batch.response_mask).sum().backward()
+        runs[user] = (logp * batch.response_mask, {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert calls and set(calls) == {user is None}  # the path under test ran in every layer
+        assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == user
+    torch.testing.assert_close(runs[None][0], runs["0"][0], atol=1e-5, rtol=0)
+    for name, grad in runs["0"][1].items():
+        torch.testing.assert_close(runs[None][1][name], grad, atol=1e-5, rtol=0, msg=name)
