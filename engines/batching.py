@@ -121,15 +121,15 @@ def native_gqa(device: torch.device):
 
 
 def response_logits(model, batch: TokenBatch, shared_prefix: bool = True) -> torch.Tensor:
+    """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2), contiguous. Shared
+    prefix: the distinct prompts but their last token run once; each row then runs its last prompt
+    token and its response on the indexed cache, so the logits come out of one forward (no [B, T, V]
+    concatenation, forward or backward). On CPU, attention runs grouped-query natively (`native_gqa`)."""
     with native_gqa(batch.input_ids.device):
         return _response_logits(model, batch, shared_prefix)
 
 
 def _response_logits(model, batch: TokenBatch, shared_prefix: bool) -> torch.Tensor:
-    """Logits [B, T, V] that predict the response tokens (positions P-1 .. P+T-2). Shared prefix:
-    the distinct prompts but their last token run once; each row then runs its last prompt token
-    and its response on the indexed cache, so the logits come out of one forward (no [B, T, V]
-    concatenation, forward or backward)."""
     P, T = batch.prompt_width, batch.responses.shape[1]
     if shared_prefix and P > 1:
         prompts, inverse = _distinct_prompts(batch)                              # [U, P], [B]
