@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -82,8 +83,9 @@ def main(spec_path: str) -> None:
             else:
                 proto.write("RESULT " + json.dumps(r) + "\n")
 
+    output_dir = tempfile.mkdtemp(prefix="trl-bench-")  # nothing is saved there (save_strategy "no"); removed at the end
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        output_dir=output_dir,
         per_device_train_batch_size=B * G,
         num_generations=G,
         max_completion_length=spec["max_new"],
@@ -107,6 +109,8 @@ def main(spec_path: str) -> None:
     except Exception as e:  # noqa: BLE001 -- reported to the driver, which shows the log tail
         proto.write("ERROR " + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         raise
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     sys.stdin.readline()  # the driver's EXIT
 
 
