@@ -173,21 +173,59 @@ def compile_decoder_layers(model) -> list[str]:
     return [f"layers.{i}" for i in range(len(layers))]
 
 
-def sparse_tied_embedding_grad(model) -> bool:
-    """When the input embedding shares its weight with the LM head (SmolLM2, Qwen2.5 <= 3B), make
-    the embedding's backward sparse (`nn.Embedding.sparse`), in place. Its dense backward builds a
-    zero [V, H] tensor and adds every token's gradient into it, once per forward (twice per
-    micro-batch with the shared prefix), and autograd then adds that to the LM head's [V, H]
-    gradient out of place: three [V, H] tensors (113 MB each for SmolLM2) written per forward for
-    the few hundred rows a batch touches. A sparse gradient is added into the LM head's dense one,
-    so the parameter's `.grad` is still dense (fused AdamW and gradient clipping see the same
-    tensor). Untied embeddings keep the dense backward: their gradient would stay sparse, which
-    AdamW refuses. Returns whether it changed the embedding."""
+class _LookupGradIntoWeight(torch.autograd.Function):
+    """`F.embedding` whose backward adds the looked-up rows' gradients straight into `weight.grad`
+    (`index_add_`, rows at `padding_idx` left out as nn.Embedding does) and hands autograd nothing
+    for the weight."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        weight, rows, grad = ctx.weight, ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:
+            keep = rows != ctx.padding_idx
+            rows, grad = rows[keep], grad[keep]
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, rows, grad.to(weight.grad.dtype))
+        return None, None, None
+
+
+class TiedEmbedding(torch.nn.Embedding):
+    """An input embedding whose weight is also the LM head's: under grad its backward adds into the
+    parameter's `.grad` in place (`_LookupGradIntoWeight`). See `tied_embedding_grad_in_place`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and self.weight.requires_grad) or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return super().forward(input)
+        return _LookupGradIntoWeight.apply(input, self.weight, self.padding_idx)
+
+
+def tied_embedding_grad_in_place(model) -> bool:
+    """When the input embedding shares its weight with the LM head (SmolLM2, Qwen2.5 <= 3B), let the
+    embedding's backward add its rows straight into the parameter's `.grad` (`TiedEmbedding`, the
+    module's class swapped in place). Autograd sums the gradients a parameter gets from several
+    uses before accumulating them, and it summed these out of place: the dense backward built a
+    zero [V, H] tensor per lookup, a sparse one (`nn.Embedding.sparse`) made `dense + sparse` copy
+    the LM head's [V, H] gradient per lookup -- two 113 MB tensors allocated and written per
+    SmolLM2 micro-batch with the shared prefix (two lookups), for the few hundred rows a batch
+    touches. Now the LM head's gradient is accumulated alone (taken over as `.grad`, or added to
+    it in place) and each lookup adds its rows to that. `.grad` stays one dense tensor (AdamW,
+    clipping and checkpoints see what they saw). A plain `nn.Embedding` only (a subclass keeps its
+    own forward); untied embeddings are left alone. Only for a plain module in one process: the
+    wrappers' reducers and shards hook the gradients autograd hands them. Returns whether it
+    changed the embedding."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(emb, torch.nn.Embedding) or out is None or getattr(out, "weight", None) is not emb.weight:
+    if type(emb) is not torch.nn.Embedding or out is None or getattr(out, "weight", None) is not emb.weight:
         return False
-    emb.sparse = True
+    emb.__class__ = TiedEmbedding
     return True
 
 
@@ -277,9 +315,9 @@ class TorchTrainEngine(_PPOEngine):
         self.model = model
         self.compiled = compile_decoder_layers(model) if compile else []
         super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
-        # one process, plain module: the sparse embedding gradient (the wrappers' reducers and
-        # shards expect dense gradients)
-        self.sparse_embedding = self.strategy.name == "torch" and sparse_tied_embedding_grad(model)
+        # one process, plain module: the tied embedding's gradient added in place (the wrappers'
+        # reducers and shards hook the gradients autograd hands them)
+        self.tied_embedding_in_place = self.strategy.name == "torch" and tied_embedding_grad_in_place(model)
         # a KV cache through compiled layers recompiles per layer: plain forwards then
         self.shared_prefix = self.strategy.shared_prefix and not compile
 

@@ -372,34 +372,73 @@ def test_compiled_decoder_layers_give_the_same_update(tiny_policy):
 
 
 @pytest.mark.parametrize("rows", [None, [0, 0, 0, 0, 1, 1, 1, 1]], ids=["distinct", "shared-prefix"])
-def test_sparse_tied_embedding_gradient_gives_the_same_update(tiny_policy, rows):
-    """The tied embedding's sparse backward (engines/training.py sparse_tied_embedding_grad): the
-    same update as the dense one, with distinct prompts and with groups sharing their prefix (two
-    embedding lookups per micro-batch), and the parameter's gradient stays dense."""
+def test_tied_embedding_gradient_in_place_gives_the_same_update(tiny_policy, rows):
+    """The tied embedding's backward into `.grad` (engines/training.py tied_embedding_grad_in_place):
+    the same update as nn.Embedding's own backward, with distinct prompts and with groups sharing
+    their prefix (two lookups per micro-batch), over several micro-batches; the parameter's
+    gradient is one dense tensor and autograd never sums [V, H] gradients out of place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engines.training import TiedEmbedding
+
+    class OutOfPlaceVocabAdds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.add.Tensor and args[0].shape == base.get_input_embeddings().weight.shape:
+                OutOfPlaceVocabAdds.count += 1
+            return func(*args, **(kwargs or {}))
+
     base, tok = tiny_policy
     batch, adv, old, ref = rl_batch(tok, base)
     if rows is not None:
         batch, adv, old, ref = batch.select(rows), adv[rows], old[rows], ref[rows]
-    runs = {}
-    for sparse in (False, True):
+    runs, adds = {}, {}
+    for in_place in (False, True):
         model = copy.deepcopy(base)
         engine = sgd_engine(model)
         emb = model.get_input_embeddings()
-        assert engine.sparse_embedding and emb.sparse  # tiny_policy ties its embeddings
-        emb.sparse = sparse
-        engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=4, max_tokens_per_micro_batch=48)
+        assert engine.tied_embedding_in_place and type(emb) is TiedEmbedding  # tiny_policy ties its embeddings
+        if not in_place:
+            emb.__class__ = torch.nn.Embedding
+        OutOfPlaceVocabAdds.count = 0
+        with OutOfPlaceVocabAdds():
+            engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=4, max_tokens_per_micro_batch=48)
         assert emb.weight.grad.layout == torch.strided and model.get_output_embeddings().weight is emb.weight
-        runs[sparse] = params_of(model)
+        runs[in_place], adds[in_place] = params_of(model), OutOfPlaceVocabAdds.count
     assert_same_update(runs[True], runs[False], base, atol=1e-6)
+    assert adds[True] == 0 < adds[False]
 
 
-def test_untied_embeddings_keep_the_dense_gradient(tiny_policy):
-    """Without a tied LM head the embedding's gradient would stay sparse, which AdamW refuses: its
-    backward stays dense, and an AdamW update runs."""
+def test_tied_embedding_lookup_adds_its_rows_into_grad():
+    """`_LookupGradIntoWeight`: repeated ids sum, the padding row gets nothing, and an existing
+    `.grad` is added to in place (the same tensor afterwards)."""
+    from engines.training import TiedEmbedding
+
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(7, 3, padding_idx=0)
+    emb = copy.deepcopy(ref)
+    emb.__class__ = TiedEmbedding
+    ids = torch.tensor([[1, 1, 0, 4], [6, 0, 1, 2]])
+    g = torch.randn(2, 4, 3)
+    ref(ids).backward(g)
+    emb(ids).backward(g)
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=0, atol=1e-6)
+    assert emb.weight.grad[0].abs().sum() == 0 and emb.weight.grad[3].abs().sum() == 0
+    held = emb.weight.grad
+    emb(ids).backward(g)
+    assert emb.weight.grad is held
+    torch.testing.assert_close(held, 2 * ref.weight.grad, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(emb(ids), ref(ids))
+
+
+def test_untied_embeddings_keep_their_own_backward(tiny_policy):
+    """Without a tied LM head the embedding keeps nn.Embedding's backward, and an AdamW update runs."""
     base, tok = tiny_policy
     model = type(base)(type(base.config)(**{**base.config.to_dict(), "tie_word_embeddings": False}))
     engine = TorchTrainEngine(model, lr=1e-3)
-    assert not engine.sparse_embedding and not model.get_input_embeddings().sparse
+    assert not engine.tied_embedding_in_place and type(model.get_input_embeddings()) is torch.nn.Embedding
     batch, adv, old, ref = rl_batch(tok, model)
     before = params_of(model)
     engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
