@@ -86,6 +86,7 @@ class RolloutConfig(_Section):
     num_workers: int = Field(1, ge=1, le=256, description="Generation engine actors (data parallel).")
     micro_batch: int = Field(256, ge=1, description="Prompts x samples per generate call inside one engine (engine 'hf'; vLLM schedules its own batches).")
     hf_compile_decode: bool = Field(False, description="engine 'hf' on a GPU: transformers' compiled decode (torch.compile with CUDA graphs over the static KV cache of group sampling, samples_per_prompt > 1). Each new batch shape compiles once (~30 s for a 0.5B model on an H200; cache lengths are rounded up to 128 tokens so prompt widths share graphs), then decode ran 3.9x faster there. No effect on CPU.")
+    hf_pack_weights: bool = Field(False, description="engine 'hf' on CPU: decode with the float32 linear weights in MKL's packed GEMM layout (engines/generation.py packed_decode_linears), for calls of max_new_tokens >= 8; the packed copy lives for one generate call (+540 MB for SmolLM2 while decoding, ~0.2 s to pack). Same log-probs to float rounding. Off by default: SmolLM2's 8 x 8 x 32-token rollout took 5.54 -> 4.77 s with it on 2 cores, but in flyroll bench's alternating step the update after it got ~0.8 s slower, not yet explained (docs/engines.md). No effect on GPUs or where torch has no MKL.")
 
     @model_validator(mode="after")
     def _engine_installed(self) -> "RolloutConfig":

@@ -13,6 +13,7 @@ produced (no re-tokenisation drift).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -142,6 +143,49 @@ def policy_only_generation_config(model):
 
 
 CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
+PACK_MIN_NEW_TOKENS = 8  # packing SmolLM2's linears costs ~0.2 s, what ~7 decode steps save
+
+
+@functools.cache
+def mkl_packing_available() -> bool:
+    """torch's MKL packed-GEMM ops (the ones inductor's CPU freezing uses) are in this build."""
+    try:
+        return torch.backends.mkl.is_available() and callable(torch.ops.mkl._mkl_linear) and callable(torch.ops.mkl._mkl_reorder_linear_weight)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _packed_linear(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # plain F.linear when x has another row count
+
+
+@contextlib.contextmanager
+def packed_decode_linears(model, rows: int, cache: dict):
+    """While decoding `rows` sequences on CPU, every float32 `nn.Linear` of `model` multiplies with
+    its weight in MKL's packed layout (`cblas_sgemm_pack`, packed for exactly `rows` rows): a decode
+    step runs the same weights on the same small row count 30 layers x max_new_tokens times, and MKL
+    repacks an unpacked weight on every call. SmolLM2, 64 rows: the MLP's GEMM 700 -> 370 us, the LM
+    head 20 -> 16 ms, ~30 ms of a 190 ms decode step; the products are the same floats (MKL runs the
+    same kernel on the packed panels). A call with another row count (the prefill) is plain
+    `F.linear`. `cache` keeps the packed weights for the caller (the engine: one `generate` call),
+    keyed by each weight tensor, its storage, its in-place version and `rows`, so a changed or
+    replaced weight or another row count repacks. The modules' own `forward` comes back on exit."""
+    patched = []
+    try:
+        for module in model.modules():
+            w = module.weight if type(module) is torch.nn.Linear else None
+            if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
+                continue
+            key = (id(w), w.data_ptr(), w._version, rows)
+            if module not in cache or cache[module][0] != key:
+                cache.pop(module, None)  # the stale copy goes before the new one is made
+                cache[module] = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows), w)  # (w: its id stays its own)
+            module.forward = functools.partial(_packed_linear, cache[module][1], w, module.bias, rows)
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
 
 
 class HFGenerationEngine:
@@ -151,14 +195,24 @@ class HFGenerationEngine:
     cache of group sampling (n > 1 with `shared_prefill`). transformers compiles on GPUs only, so it
     changes nothing on CPU. Each new shape (rows, cache length rounded up to CACHE_BUCKET) compiles
     once: ~25-30 s for Qwen2.5-0.5B's shape on an H200, then decode ran 3.9x faster there
-    (docs/benchmarks.md, GPU section)."""
+    (docs/benchmarks.md, GPU section).
 
-    def __init__(self, model, tokenizer, micro_batch: int = 64, shared_prefill: bool = True, compile_decode: bool = False):
+    `pack_weights` (off by default): on CPU, decode with MKL-packed float32 weights
+    (`packed_decode_linears`) when a call generates at least PACK_MIN_NEW_TOKENS tokens. The packed
+    copies live for one `generate` call (shared by its chunks of the same row count): one more copy
+    of the linear weights while decoding (+540 MB for SmolLM2), nothing kept between calls. SmolLM2's
+    8 x 8 x 32-token rollout took 5.54 -> 4.77 s with it, but in `flyroll bench`'s step (new weights
+    every step, memory handed back between steps) the rollout gained 0.55 s and the update that
+    followed lost ~0.8 s, for a reason not yet found (docs/engines.md)."""
+
+    def __init__(self, model, tokenizer, micro_batch: int = 64, shared_prefill: bool = True, compile_decode: bool = False,
+                 pack_weights: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.micro_batch = micro_batch
         self.shared_prefill = shared_prefill
         self.compile_decode = compile_decode
+        self.pack_weights = pack_weights
 
     def load_weights(self, model_dir: str) -> None:
         """In-place weight update from a model directory (same architecture), no engine restart."""
@@ -190,12 +244,13 @@ class HFGenerationEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         out: list[Completion] = []
+        packed: dict = {}  # MKL-packed weights for this call's chunks; freed when it returns
         for start in range(0, len(prompt_token_ids), self.micro_batch):
             chunk = prompt_token_ids[start : start + self.micro_batch]
-            out.extend(self._generate_chunk(chunk, params, offset=start))
+            out.extend(self._generate_chunk(chunk, params, offset=start, packed=packed))
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int, packed: dict) -> list[Completion]:
         tok = self.tokenizer
         pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
         width = max(len(p) for p in prompts)
@@ -215,7 +270,11 @@ class HFGenerationEngine:
         if params.seed is not None:
             torch.manual_seed(params.seed + offset)
         recorder = StepLogprobs()
-        with policy_only_generation_config(self.model):
+        packing = contextlib.nullcontext()
+        if (self.pack_weights and params.max_new_tokens >= PACK_MIN_NEW_TOKENS and self.model.device.type == "cpu"
+                and mkl_packing_available()):
+            packing = packed_decode_linears(self.model, input_ids.shape[0], packed)
+        with policy_only_generation_config(self.model), packing:
             seqs = self.model.generate(
                 **cache,
                 input_ids=input_ids,

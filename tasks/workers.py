@@ -29,7 +29,7 @@ def generation_worker_kwargs(cfg) -> dict:
     creates the run's generation actors)."""
     r = cfg.rollout
     return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine, "compile_decode": r.hf_compile_decode,
-            "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed} if r.engine == "vllm" else {}}
+            "pack_weights": r.hf_pack_weights, "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed} if r.engine == "vllm" else {}}
 
 
 @ray.remote
@@ -40,10 +40,10 @@ class GenerationWorker:
     Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, pack_weights: bool = False):
         _engine_process(threads)
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
-        self.compile_decode = compile_decode
+        self.compile_decode, self.pack_weights = compile_decode, pack_weights
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
 
     def load(self, spec, key: str) -> str:
@@ -75,7 +75,8 @@ class GenerationWorker:
         from engines.modeling import load_policy
 
         model, tokenizer = load_policy(model_dir)
-        return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode), tokenizer
+        return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode,
+                                  pack_weights=self.pack_weights), tokenizer
 
     def sleep(self) -> None:
         """Free the engine's memory until its next call, between rollouts (vLLM on GPU: weights

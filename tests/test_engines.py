@@ -15,7 +15,8 @@ import torch
 
 from engines.batching import batched_logprobs, collate
 from engines.evaluation import encode_prompts, evaluate
-from engines.generation import Completion, HFGenerationEngine, InverseCDFSampler, SamplingParams, sampling_processors
+from engines.generation import (Completion, HFGenerationEngine, InverseCDFSampler, SamplingParams, mkl_packing_available,
+                                sampling_processors)
 from engines.modeling import CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, load_policy, save_policy
 from engines.pretrain import supervised_finetune
 from engines.rewards import score_isolated
@@ -297,6 +298,45 @@ def test_update_weights_from_a_trainer_in_memory_equals_load_weights(tiny_policy
     assert run(in_memory) == run(from_files)
     assert other.model.embed_tokens.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM (torch.ops.mkl._mkl_linear)")
+def test_packed_decode_samples_like_plain_linears(tiny_policy, monkeypatch):
+    """Decoding over MKL-packed weights gives the plain `F.linear` decode's tokens and log-probs (to
+    float rounding); every Linear of the model ran packed at the decode's row count, and each
+    module has its own forward back afterwards."""
+    import engines.generation as generation
+
+    model, tok = tiny_policy
+    params = SamplingParams(n=4, max_new_tokens=generation.PACK_MIN_NEW_TOKENS, seed=3)
+    run = lambda engine: [(c.token_ids, c.logprobs) for c in engine.generate(encode(tok, PROMPTS), params)]
+    plain = run(HFGenerationEngine(model, tok, pack_weights=False))
+    seen, packed_linear = {}, generation._packed_linear
+    def spy(packed, weight, bias, rows, x):
+        if x.numel() // x.shape[-1] == rows:
+            seen[id(weight)] = seen.get(id(weight), 0) + 1
+        return packed_linear(packed, weight, bias, rows, x)
+    monkeypatch.setattr(generation, "_packed_linear", spy)
+    got = run(HFGenerationEngine(model, tok, pack_weights=True))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(seen) == len({id(m.weight) for m in linears}) and min(seen.values()) >= params.max_new_tokens - 1
+    assert not any("forward" in vars(m) for m in linears)
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    torch.testing.assert_close(torch.tensor(sum((lp for _, lp in got), [])), torch.tensor(sum((lp for _, lp in plain), [])),
+                               atol=1e-5, rtol=0)
+
+
+def test_packed_decode_repacks_after_a_weight_update(tiny_policy, tiny_model_dir):
+    """No packed copy outlives the weights it was made from: an engine that decoded with other
+    weights, then took the policy's in place, samples what a plain engine on the policy samples."""
+    model, tok = tiny_policy
+    params = SamplingParams(n=2, max_new_tokens=8, seed=3)
+    run = lambda engine: [c.token_ids for c in engine.generate(encode(tok, PROMPTS), params)]
+    want = run(HFGenerationEngine(model, tok, pack_weights=False))
+    engine = HFGenerationEngine(build_tiny_policy(**TINY, seed=1)[0], tok, pack_weights=True)
+    assert run(engine) != want
+    engine.update_weights(model.named_parameters())
+    assert run(engine) == want
 
 
 def test_update_weights_names_what_does_not_fit(tiny_policy):
