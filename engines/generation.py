@@ -164,10 +164,11 @@ def packed_decode_linears(model, rows: int, cache: dict):
     """While decoding `rows` sequences on CPU, every float32 `nn.Linear` of `model` multiplies with
     its weight in MKL's packed layout (`cblas_sgemm_pack`, packed for exactly `rows` rows): a decode
     step runs the same weights on the same small row count 30 layers x max_new_tokens times, and MKL
-    repacks an unpacked weight on every call. SmolLM2, 64 rows: the MLP's GEMM 700 -> 370 us, the LM
-    head 20 -> 16 ms, ~30 ms of a 190 ms decode step; the products are the same floats (MKL runs the
-    same kernel on the packed panels). A call with another row count (the prefill) is plain
-    `F.linear`. `cache` keeps the packed weights for the caller (the engine: one `generate` call),
+    packs an unpacked weight on every call. SmolLM2, 64 rows: the MLP's GEMM 700 -> 370 us, the LM
+    head 20 -> 16 ms, ~30 ms of a 190 ms decode step. The products equal plain `F.linear`'s to float
+    rounding (bitwise in a microbenchmark; in SmolLM2's rollout the recorded log-probs then matched
+    the training forward exactly, where the plain small-row kernel's differ by ~2e-5). A call with
+    another row count (the prefill) is plain `F.linear`. `cache` keeps the packed weights for the caller (the engine: one `generate` call),
     keyed by each weight tensor, its storage, its in-place version and `rows`, so a changed or
     replaced weight or another row count repacks. The modules' own `forward` comes back on exit."""
     patched = []
