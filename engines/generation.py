@@ -168,19 +168,19 @@ def packed_decode_linears(model, rows: int, cache: dict):
     head 20 -> 16 ms, ~30 ms of a 190 ms decode step. The products equal plain `F.linear`'s to float
     rounding (bitwise in a microbenchmark; in SmolLM2's rollout the recorded log-probs then matched
     the training forward exactly, where the plain small-row kernel's differ by ~2e-5). A call with
-    another row count (the prefill) is plain `F.linear`. `cache` keeps the packed weights for the caller (the engine: one `generate` call),
-    keyed by each weight tensor, its storage, its in-place version and `rows`, so a changed or
-    replaced weight or another row count repacks. The modules' own `forward` comes back on exit."""
+    another row count (the prefill) is plain `F.linear`. `cache` holds each module's packed weight
+    and the row count it was packed for, for its owner's lifetime (the engine's: one `generate`
+    call, so its chunks share it and no copy outlives the weights it was made from); a chunk with
+    another row count repacks. The modules' own `forward` comes back on exit."""
     patched = []
     try:
         for module in model.modules():
             w = module.weight if type(module) is torch.nn.Linear else None
             if w is None or w.dtype != torch.float32 or w.device.type != "cpu":
                 continue
-            key = (id(w), w.data_ptr(), w._version, rows)
-            if module not in cache or cache[module][0] != key:
-                cache.pop(module, None)  # the stale copy goes before the new one is made
-                cache[module] = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows), w)  # (w: its id stays its own)
+            if cache.get(module, (None,))[0] != rows:
+                cache.pop(module, None)  # the other row count's copy goes before the new one is made
+                cache[module] = (rows, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows))
             module.forward = functools.partial(_packed_linear, cache[module][1], w, module.bias, rows)
             patched.append(module)
         yield
