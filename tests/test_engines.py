@@ -1,13 +1,11 @@
 """Engines on a tiny char-level Qwen2 built in the test (seconds on one CPU thread): tokenizer and
-checkpoints, generation and weight updates, supervised bootstrap, reward isolation and evaluation
-(the synthetic tasks: tests/test_synthetic.py; batching and the training step:
-tests/test_training_engine.py)."""
+checkpoints, generation and weight updates, supervised bootstrap and evaluation (reward isolation:
+tests/test_reward_isolation.py; the synthetic tasks: tests/test_synthetic.py; batching:
+tests/test_batching.py; the training step: tests/test_training_engine.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import copy
-import threading
 
 import pandas as pd
 import pytest
@@ -19,8 +17,7 @@ from engines.generation import (Completion, HFGenerationEngine, InverseCDFSample
                                 sampling_processors)
 from engines.modeling import CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, load_policy, save_policy
 from engines.pretrain import supervised_finetune
-from engines.rewards import score_isolated
-from engines.synthetic import exact_match_reward, make_problems
+from engines.synthetic import make_problems
 
 torch.set_num_threads(1)
 
@@ -377,59 +374,6 @@ def test_supervised_finetune_lowers_the_loss():
     assert sum(losses[-5:]) / 5 < 0.75 * losses[0]
     assert m["bootstrap/steps"] == 30.0 and m["bootstrap/loss"] < losses[0]
     assert not model.training
-
-
-# ================================================================================================
-# reward isolation
-# ================================================================================================
-
-@pytest.fixture
-def pool():
-    with cf.ThreadPoolExecutor(max_workers=2) as p:
-        yield p
-
-
-def test_score_isolated_normal_value(pool):
-    res, hung = score_isolated(exact_match_reward, "7", {"answer": "7"}, 1.0, pool)
-    assert (res.reward, res.error, hung) == (1.0, None, False)
-    res, hung = score_isolated(lambda r, s: 0.25, "x", {}, 1.0, pool)
-    assert res.reward == 0.25 and res.error is None and res.seconds >= 0
-
-
-def test_score_isolated_raising_fn(pool):
-    def broken(response, sample):
-        raise ZeroDivisionError("division by zero in the scorer")
-
-    res, hung = score_isolated(broken, "x", {}, 1.0, pool)
-    assert res.reward == 0.0 and not hung
-    assert res.error.startswith("ZeroDivisionError") and "division by zero" in res.error
-
-
-def test_score_isolated_hanging_fn(pool):
-    release = threading.Event()
-
-    finished = threading.Event()
-
-    def hangs(response, sample):
-        release.wait(2.0)  # "sleeps" 2 s unless released at the end of the test
-        finished.set()
-        return 1.0
-
-    try:
-        res, hung = score_isolated(hangs, "x", {}, 0.2, pool)
-        assert res.reward == 0.0 and hung
-        assert "timeout" in res.error and res.seconds >= 0.2
-        assert not finished.is_set()  # the caller got its answer while the reward call was still stuck
-    finally:
-        release.set()
-
-
-@pytest.mark.parametrize("value", [float("nan"), "not a number", None])
-def test_score_isolated_bad_values_are_flagged(pool, value):
-    res, hung = score_isolated(lambda r, s: value, "x", {}, 1.0, pool)
-    assert res.reward == 0.0 and not hung and res.error
-    if value != value:
-        assert "NaN" in res.error
 
 
 # ================================================================================================
