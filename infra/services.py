@@ -233,7 +233,8 @@ class SeaweedS3(_Process):
         self._ports = {n: free_port() for n in names}
         p = self._ports
         self.port = p["s3"]
-        cmd = [weed, "server", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={self.data_dir}/data",
+        cmd = [weed, f"-logdir={self.data_dir}",  # glog's files (weed.*.log.INFO...), else they pile up in /tmp
+               "server", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}", f"-dir={self.data_dir}/data",
                f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
                "-volume.max=0", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",

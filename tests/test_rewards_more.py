@@ -258,13 +258,19 @@ def test_reward_model_scores_a_batch_deterministically(tiny_rm_dir):
     assert affine.score_batch(PROMPTS[:1], RESPONSES[:1])[0] == pytest.approx(0.0, abs=1e-5)
 
 
-def test_reward_model_from_object_storage_and_errors(tiny_rm_dir, tmp_path):
+def test_reward_model_from_object_storage_and_errors(tiny_rm_dir, tmp_path, monkeypatch):
     fsspec = pytest.importorskip("fsspec")
+    import tempfile
+
     from engines.rewards.reward_model import RewardModelScorer
 
     fs = fsspec.filesystem("memory")
     fs.put(tiny_rm_dir.rstrip("/") + "/", "/rm-store/v1", recursive=True)
-    remote = RewardModelScorer("memory://rm-store/v1").score_batch(PROMPTS, RESPONSES)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    remote = RewardModelScorer("memory://rm-store/v1").score_batch(PROMPTS, RESPONSES)  # scores after its copy is gone
+    assert not list(scratch.iterdir()), "the local copy of the remote model was left behind"
     assert remote == pytest.approx(RewardModelScorer(tiny_rm_dir).score_batch(PROMPTS, RESPONSES), abs=1e-6)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         RewardModelScorer(str(tmp_path / "nowhere"))

@@ -190,13 +190,16 @@ def _checkpoint(d: Path) -> Path:
     return d
 
 
-def test_s3_killed_mid_publish_retries_then_fails_naming_the_uri_and_no_partial_version_is_visible(tmp_path, caplog):
+def test_s3_killed_mid_publish_retries_then_fails_naming_the_uri_and_no_partial_version_is_visible(tmp_path, caplog, monkeypatch):
     """Unit level, deterministic: the first file of a checkpoint lands, then the S3 server is SIGKILLed
     before the second; the store retries with backoff, raises StoreUnavailable naming the version's URI,
     and after a restart (same data) the version does not exist -- its debris is there but invisible --
-    and publishing it again succeeds."""
-    data = tmp_path / "seaweed"
+    and publishing it again succeeds. The server's own log files stay in its data folder."""
+    data, tmpdir = tmp_path / "seaweed", tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # where weed's glog would write its files without -logdir
     s3 = SeaweedS3(bucket="flyroll", data_dir=str(data)).start()
+    assert list(tmpdir.iterdir()) == [] and list(data.glob("weed.*.log.INFO.*"))
     restarted = None
     try:
         root, key = "s3://flyroll/fault", "runs/r1/policy/v0001"

@@ -34,7 +34,8 @@ def build_judge(options: dict) -> BatchScorer:
     from engines.rewards.judge import DEFAULT_RUBRIC, JudgeReward
     from engines.rewards.reward_model import local_model_dir
 
-    model, tokenizer = load_policy(local_model_dir(options["model"]))
+    with local_model_dir(options["model"]) as path:
+        model, tokenizer = load_policy(path)
     engine = HFGenerationEngine(model, tokenizer, micro_batch=options["batch_size"])
     judge = JudgeReward(engine, tokenizer, options.get("rubric") or DEFAULT_RUBRIC, options["max_new_tokens"],
                         scale=options["scale"], max_prompt_tokens=options.get("max_prompt_tokens"),

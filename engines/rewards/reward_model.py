@@ -14,6 +14,7 @@ character tokenizer of `engines.modeling`, for tests and the embedded default.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -23,11 +24,15 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerFast
 
 
-def local_model_dir(model_dir: str, storage_options: dict | None = None) -> str:
-    """`model_dir` itself when it is a local folder; an fsspec URL (`s3://...`) is copied to a new
-    local temporary folder (credentials and endpoint from `storage_options` or the usual env vars)."""
+@contextlib.contextmanager
+def local_model_dir(model_dir: str, storage_options: dict | None = None):
+    """Yields a local folder to load `model_dir` from, inside the block: the folder itself when it is
+    local; for an fsspec URL (`s3://...`), a temporary copy (credentials and endpoint from
+    `storage_options` or the usual env vars) that is removed when the block ends, so a reward worker
+    leaves no model-sized folder behind per load."""
     if os.path.isdir(model_dir):
-        return model_dir
+        yield model_dir
+        return
     if "://" not in model_dir:
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist (expected a Hugging Face model dir)")
     import fsspec
@@ -35,9 +40,9 @@ def local_model_dir(model_dir: str, storage_options: dict | None = None) -> str:
     fs, path = fsspec.core.url_to_fs(model_dir, **(storage_options or {}))
     if not fs.isdir(path):
         raise FileNotFoundError(f"model directory {model_dir!r} does not exist in object storage")
-    local = tempfile.mkdtemp(prefix="flyroll-rm-")
-    fs.get(path.rstrip("/") + "/", local, recursive=True)
-    return local
+    with tempfile.TemporaryDirectory(prefix="flyroll-rm-") as local:
+        fs.get(path.rstrip("/") + "/", local, recursive=True)
+        yield local
 
 
 def _load_tokenizer(path: str):
@@ -64,12 +69,12 @@ class RewardModelScorer:
             raise ValueError(f"RewardModelScorer: normalize={normalize!r}, expected 'none', 'sigmoid' or 'affine'")
         if normalize == "affine" and scale == 0:
             raise ValueError("RewardModelScorer: scale=0 with normalize='affine'")
-        path = local_model_dir(model_dir, storage_options)
-        self.tokenizer = _load_tokenizer(path)
+        with local_model_dir(model_dir, storage_options) as path:
+            self.tokenizer = _load_tokenizer(path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
         if self.model.config.pad_token_id is None:   # batched scoring finds each row's last token by it
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if not 0 <= label_index < self.model.config.num_labels:
