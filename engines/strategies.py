@@ -52,6 +52,7 @@ class TrainStrategy(Protocol):
     world_size: int
     device: torch.device
     shared_prefix: bool  # the wrapped module may run two forwards (prompt, then responses) per backward
+    grads_in_place: bool  # a backward may add into a parameter's .grad itself (nothing hooks what autograd hands it)
 
     def prepare(self, model: nn.Module, make_optimizer: MakeOptimizer, grad_clip: float) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap `model` and build its optimizer; returns (module to call forward on, the torch
@@ -134,6 +135,7 @@ class TorchStrategy:
 
     name, rank, world_size = "torch", 0, 1
     shared_prefix = True
+    grads_in_place = True
 
     def __init__(self):
         self.device = torch.device("cpu")
@@ -172,9 +174,11 @@ class TorchStrategy:
 class _Distributed(TorchStrategy):
     """What every multi-process strategy shares: rank, world size, loss scale, metric reduction.
     Their wrappers (DDP's reducer, FSDP2's reshard hooks, DeepSpeed's engine) are built around one
-    forward per backward, so they run every row's prompt (`engines.batching` shared_prefix off)."""
+    forward per backward, so they run every row's prompt (`engines.batching` shared_prefix off), and
+    they reduce or reshard the gradients autograd hands them, so no backward writes `.grad` itself."""
 
     shared_prefix = False
+    grads_in_place = False
 
     def __init__(self):
         super().__init__()

@@ -315,9 +315,8 @@ class TorchTrainEngine(_PPOEngine):
         self.model = model
         self.compiled = compile_decoder_layers(model) if compile else []
         super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
-        # one process, plain module: the tied embedding's gradient added in place (the wrappers'
-        # reducers and shards hook the gradients autograd hands them)
-        self.tied_embedding_in_place = self.strategy.name == "torch" and tied_embedding_grad_in_place(model)
+        # the tied embedding's gradient added into .grad in place, where the strategy lets a backward do that
+        self.tied_embedding_in_place = self.strategy.grads_in_place and tied_embedding_grad_in_place(model)
         # a KV cache through compiled layers recompiles per layer: plain forwards then
         self.shared_prefix = self.strategy.shared_prefix and not compile
 

@@ -74,7 +74,8 @@ def train_on_rank(rank: int, world: int, port: int, strategy: str, steps: int, o
     result = None
     if rank == 0:
         weights = {k: v.detach().cpu().clone() for k, v in (full if full is not None else model.state_dict()).items()}
-        result = {"losses": losses, "grad_norms": norms, "step_s": times, "weights": weights, "optimizer": optim}
+        result = {"losses": losses, "grad_norms": norms, "step_s": times, "weights": weights, "optimizer": optim,
+                  "tied_embedding_in_place": engine.tied_embedding_in_place}
     if strategy != "torch":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
