@@ -199,9 +199,9 @@ def test_s3_killed_mid_publish_retries_then_fails_naming_the_uri_and_no_partial_
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))  # where weed's glog would write its files without -logdir
     s3 = SeaweedS3(bucket="flyroll", data_dir=str(data)).start()
-    assert list(tmpdir.iterdir()) == [] and list(data.glob("weed.*.log.INFO.*"))
     restarted = None
     try:
+        assert list(tmpdir.iterdir()) == [] and list(data.glob("weed.*.log.INFO.*"))
         root, key = "s3://flyroll/fault", "runs/r1/policy/v0001"
         store = ArtifactStore(root, s3.storage_options, retries=3, backoff_s=0.05)
         ckpt = _checkpoint(tmp_path / "ckpt")
