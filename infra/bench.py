@@ -76,15 +76,30 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
     return value / baseline
 
 
+def step_ratios(steps: list[dict], baseline_steps: list[dict]) -> list[float]:
+    """samples/s of each step over that of the baseline step it alternated with (step i of both)."""
+    return [(s["samples"] / s["s"]) / (b["samples"] / b["s"]) for s, b in zip(steps, baseline_steps)
+            if s["s"] > 0 and b["s"] > 0 and b["samples"] > 0]
+
+
 def with_ratios(rows: list[dict], baseline_system: str = TRL_SYSTEM) -> list[dict]:
     """Adds `samples_ratio` / `tokens_ratio` to each row: against the baseline system's row of the
-    same model and the same `pair` (the group whose steps alternated; rows without one share None)."""
+    same model and the same `pair` (the group whose steps alternated; rows without one share None).
+    With both rows' `per_step`, also the ratio of each alternated pair of steps and their median,
+    min and max (`pair_ratio_*`): the box's speed drifts over a run, and a pair's two steps ran
+    back to back, so the spread says how much of the ratio is drift."""
     base = {(r["model"], r.get("pair")): r for r in rows if r["system"] == baseline_system and "error" not in r}
     out = []
     for r in rows:
         b = base.get((r["model"], r.get("pair")), {})
-        out.append({**r, "samples_ratio": ratio(r.get("samples_per_s"), b.get("samples_per_s")),
-                    "tokens_ratio": ratio(r.get("tokens_per_s"), b.get("tokens_per_s"))})
+        row = {**r, "samples_ratio": ratio(r.get("samples_per_s"), b.get("samples_per_s")),
+               "tokens_ratio": ratio(r.get("tokens_per_s"), b.get("tokens_per_s"))}
+        pairs = step_ratios(r.get("per_step") or [], b.get("per_step") or []) if r is not b else []
+        if pairs:
+            ordered = sorted(pairs)
+            median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+            row |= {"pair_ratios": pairs, "pair_ratio_median": median, "pair_ratio_min": ordered[0], "pair_ratio_max": ordered[-1]}
+        out.append(row)
     return out
 
 
@@ -280,17 +295,19 @@ def print_comparison(rows: list[dict], args) -> None:
     t = Table(title=f"GRPO step, {args.prompts} prompts x {args.samples} samples, max_new_tokens={args.max_new}, "
                     f"lr={args.lr:g}, threads={args.threads}, reward={args.reward}, flyroll hf sync={args.sync} (vllm: files), "
                     f"{args.batches} timed steps each (alternating)")
-    for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "step s", "median step s", "gen / score / train / sync s", "resp tok",
+    for col in ("model", "system", "samples/s", "tokens/s", "vs TRL", "pairs: median (min-max)", "step s", "median step s", "gen / score / train / sync s", "resp tok",
                 "rows trained", "RSS idle / peak GiB"):
         t.add_column(col, justify="left" if col in ("model", "system") else "right")
     for r in rows:
         if "error" in r:
-            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 8)
+            t.add_row(r["model"], r["system"], f"[red]{r['error'][:60]}[/]", *[""] * 9)
             continue
         parts = " / ".join(fmt(r.get(k), ".2f") for k in STEP_PARTS) if "gen_s" in r else "—"
         system = f"{r['system']} (with {r['pair']})" if r["system"] == TRL_SYSTEM and r.get("pair") else r["system"]
         t.add_row(r["model"], system, fmt(r["samples_per_s"]), fmt(r["tokens_per_s"]),
-                  fmt(r.get("samples_ratio"), ".2f", "x"), fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]),
+                  fmt(r.get("samples_ratio"), ".2f", "x"),
+                  f"{fmt(r['pair_ratio_median'], '.2f', 'x')} ({r['pair_ratio_min']:.2f}-{r['pair_ratio_max']:.2f})" if "pair_ratios" in r else "—",
+                  fmt(r["step_s"], ".2f"), fmt(r["median_step_s"], ".2f"), parts, fmt(r["mean_response_tokens"]),
                   fmt(r.get("trained_rows"), ".0f") if "trained_rows" in r else "all",
                   f"{fmt(r.get('rss_gb'))} / {fmt(r.get('peak_rss_gb'))}")
     Console(width=max(150, shutil.get_terminal_size().columns)).print(t)

@@ -136,6 +136,21 @@ def test_ratios_are_against_trl_of_the_same_model_and_pair():
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
 
 
+
+def test_pair_ratios_are_per_alternated_step():
+    trl = "TRL 1.16 GRPOTrainer"
+    steps = lambda *secs: [{"s": s, "samples": 64, "tokens": 640} for s in secs]
+    rows = [{"model": "smollm2", "pair": "flyroll hf", "system": "flyroll hf", "samples_per_s": 3.0, "tokens_per_s": 30.0,
+             "per_step": steps(10.0, 20.0, 16.0)},
+            {"model": "smollm2", "pair": "flyroll hf", "system": trl, "samples_per_s": 1.0, "tokens_per_s": 10.0,
+             "per_step": steps(30.0, 50.0, 64.0)}]
+    out = with_ratios(rows)
+    assert out[0]["pair_ratios"] == pytest.approx([3.0, 2.5, 4.0])  # step i of flyroll against step i of TRL
+    assert (out[0]["pair_ratio_median"], out[0]["pair_ratio_min"], out[0]["pair_ratio_max"]) == pytest.approx((3.0, 2.5, 4.0))
+    assert "pair_ratios" not in out[1]  # the baseline has no ratio to itself
+    rows[1].pop("per_step")
+    assert "pair_ratios" not in with_ratios(rows)[0]  # no per-step timings: only the overall ratio
+
 def _points():
     # stage -> {iteration: (timestamp at the stage's end, seconds)}; evaluation at 0 starts iteration 1,
     # evaluation after iteration 2 (ends at 125) starts iteration 3
