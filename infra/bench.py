@@ -24,7 +24,10 @@ What runs (docs/benchmarks.md has the full story and the results):
 - `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
   same batch, and its per-stage timings from MLflow (infra/bench_pipeline.py).
 
-Prints tables; writes everything (per-step timings too) as JSON with --json. Asserts nothing.
+Before and after the comparison, benchmarks/box_probe.py measures the machine as it is then (GEMM
+rate, memory bandwidth, page-fault cost): a shared VM's speed drifts over a day, and not alike for
+both systems. Prints tables; writes everything (per-step timings and the probes too) as JSON with
+--json. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -101,6 +104,19 @@ def with_ratios(rows: list[dict], baseline_system: str = TRL_SYSTEM) -> list[dic
             row |= {"pair_ratios": pairs, "pair_ratio_median": median, "pair_ratio_min": ordered[0], "pair_ratio_max": ordered[-1]}
         out.append(row)
     return out
+
+
+def box_probe(threads: int, when: str) -> dict | None:
+    """benchmarks/box_probe.py in a child process (compute rate, memory bandwidth, page-fault cost
+    right now); its line is printed, its numbers returned (None when it failed: printed, not fatal)."""
+    r = subprocess.run([sys.executable, str(BENCH_DIR / "box_probe.py"), "--threads", str(threads)],
+                       capture_output=True, text=True, timeout=300)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        print(f"box probe ({when}) failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}", flush=True)
+        return None
+    print(f"box ({when}): {r.stderr.strip().splitlines()[-1]}", flush=True)
+    return json.loads(lines[-1])
 
 
 def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
@@ -383,19 +399,21 @@ def cli_main(argv: list[str]) -> int:
 
     workdir = tempfile.mkdtemp(prefix="flyroll-bench-")
     problems = problems_for(args.prompts)
-    rows, pipeline, model_dirs = [], [], {}
+    rows, pipeline, model_dirs, box = [], [], {}, {}
 
     def dump() -> None:  # after every part, so a long run that dies later keeps what it measured
         if args.json:
             end = os.getloadavg()
             with open(args.json, "w") as f:
                 json.dump({"settings": {k: v for k, v in vars(args).items() if k != "json"},
-                           "load_average": {"start": load, "now": end}, "comparison": with_ratios(rows),
+                           "load_average": {"start": load, "now": end}, "box": box, "comparison": with_ratios(rows),
                            "pipeline": pipeline}, f, indent=1)
 
     for name in dict.fromkeys(([] if args.no_compare else args.models.split(",")) + (args.pipeline_models.split(",") if args.pipeline else [])):
         print(f"preparing model {name} ...", flush=True)
         model_dirs[name] = prepare_model_in_child(name, workdir)
+    if not args.no_compare:
+        box["start"] = box_probe(args.threads, "start")
     for name in [] if args.no_compare else args.models.split(","):
         model_dir, chat = model_dirs[name]
         spec = {"model_dir": model_dir, "chat": chat, "problems": problems, "samples": args.samples, "max_new": args.max_new,
@@ -405,6 +423,8 @@ def cli_main(argv: list[str]) -> int:
         for group in groups:
             rows += compare_model(name, group, spec, args, workdir)
             dump()
+    if not args.no_compare:
+        box["end"] = box_probe(args.threads, "end")
     rows = with_ratios(rows)
     if rows:
         print()

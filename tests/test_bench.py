@@ -206,3 +206,25 @@ def test_gpu_mfu_smoke_runs_on_cpu(capsys):
     if not torch.cuda.is_available():
         assert gpu_mfu.main([]) == 2  # the full run needs CUDA and says so
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_box_probe_measures_this_machine(capsys):
+    """The real probe (benchmarks/box_probe.py, as `flyroll bench` runs it): numbers a person can
+    compare across runs, and a line that says what they are."""
+    from infra.bench import box_probe
+
+    p = box_probe(1, "start")
+    assert p is not None, capsys.readouterr().out
+    assert p["gemm_gflops"] > 0 and p["copy_gbps"] > 0 and p["threads"] == 1
+    assert p["fault_s_per_gib"] > 0  # first touches of a fresh mapping cost more than rewriting it
+    line = capsys.readouterr().out
+    assert line.startswith("box (start): GEMM ") and "page faults" in line
+
+
+def test_box_probe_failure_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
+    import infra.bench as bench
+
+    (tmp_path / "box_probe.py").write_text("import sys\nsys.exit('no numpy here')\n")
+    monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
+    assert bench.box_probe(2, "end") is None
+    assert "box probe (end) failed: no numpy here" in capsys.readouterr().out
