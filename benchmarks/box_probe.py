@@ -5,7 +5,7 @@
 `flyroll bench` runs it before and after the comparison and prints and stores both (`box` in its
 JSON), because the same code's step times move by tens of percent over a day on a shared VM, and
 not alike for both systems (docs/benchmarks.md). Measured, best or median of a few repeats
-(about 3 s in all):
+(a few seconds in all):
 - `gemm_gflops`: float32 [768, 576] x [576, 1536] products (a SmolLM2 MLP projection of one
   micro-batch) on `--threads` torch threads: the compute rate.
 - `copy_gbps`: copying a 256 MiB float32 tensor into another, bytes read + written per second: the
