@@ -12,8 +12,8 @@ not alike for both systems (docs/benchmarks.md). Measured, best or median of a f
   memory bandwidth the element-wise passes see.
 - `fault_s_per_gib`: first write to each 4 KiB page of 1 GiB of newly mapped memory, minus the
   same writes once the pages are there: what a step pays per GiB it allocates afresh (a process
-  that gave its memory back, or glibc mapping each large tensor anew). On this VM it was 0.5-0.65
-  s/GiB (2-2.5 us a page) on 2026-12-01 evening; its kernel reports free memory to the host
+  that gave its memory back, or glibc mapping each large tensor anew). On this VM it was 0.43-0.65
+  s/GiB (1.6-2.5 us a page) on 2026-12-01 evening; its kernel reports free memory to the host
   (virtio-balloon free page reporting), so memory that sat free comes back through a host fault.
 - `free_page_reporting`: whether that kernel module is active here (None: not readable).
 Asserts nothing.
