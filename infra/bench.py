@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,9 +56,7 @@ STEP_PARTS = ("gen_s", "score_s", "train_s", "sync_s")
 def summarise(steps: list[dict]) -> dict:
     """Timed steps [{s, samples, tokens, gen_s?, ...}] -> throughput over all of them and mean parts."""
     total = sum(s["s"] for s in steps)
-    times = sorted(s["s"] for s in steps)
-    median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
-    out = {"steps": len(steps), "step_s": total / len(steps), "median_step_s": median,
+    out = {"steps": len(steps), "step_s": total / len(steps), "median_step_s": statistics.median(s["s"] for s in steps),
            "samples_per_s": sum(s["samples"] for s in steps) / total,
            "tokens_per_s": sum(s["tokens"] for s in steps) / total,
            "mean_response_tokens": sum(s["tokens"] for s in steps) / max(1, sum(s["samples"] for s in steps))}
@@ -99,9 +98,8 @@ def with_ratios(rows: list[dict], baseline_system: str = TRL_SYSTEM) -> list[dic
                "tokens_ratio": ratio(r.get("tokens_per_s"), b.get("tokens_per_s"))}
         pairs = step_ratios(r.get("per_step") or [], b.get("per_step") or []) if r is not b else []
         if pairs:
-            ordered = sorted(pairs)
-            median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
-            row |= {"pair_ratios": pairs, "pair_ratio_median": median, "pair_ratio_min": ordered[0], "pair_ratio_max": ordered[-1]}
+            row |= {"pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs), "pair_ratio_min": min(pairs),
+                    "pair_ratio_max": max(pairs)}
         out.append(row)
     return out
 

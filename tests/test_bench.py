@@ -136,7 +136,6 @@ def test_ratios_are_against_trl_of_the_same_model_and_pair():
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
 
 
-
 def test_pair_ratios_are_per_alternated_step():
     trl = "TRL 1.16 GRPOTrainer"
     steps = lambda *secs: [{"s": s, "samples": 64, "tokens": 640} for s in secs]
@@ -150,6 +149,7 @@ def test_pair_ratios_are_per_alternated_step():
     assert "pair_ratios" not in out[1]  # the baseline has no ratio to itself
     rows[1].pop("per_step")
     assert "pair_ratios" not in with_ratios(rows)[0]  # no per-step timings: only the overall ratio
+
 
 def _points():
     # stage -> {iteration: (timestamp at the stage's end, seconds)}; evaluation at 0 starts iteration 1,
