@@ -113,7 +113,7 @@ def box_probe(threads: int, when: str) -> dict | None:
     if r.returncode != 0 or not lines:
         print(f"box probe ({when}) failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}", flush=True)
         return None
-    print(f"box ({when}): {r.stderr.strip().splitlines()[-1]}", flush=True)
+    print(f"box ({when}): {(r.stderr.strip().splitlines() or ['(the probe printed no summary line)'])[-1]}", flush=True)
     return json.loads(lines[-1])
 
 

@@ -228,3 +228,6 @@ def test_box_probe_failure_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
     assert bench.box_probe(2, "end") is None
     assert "box probe (end) failed: no numpy here" in capsys.readouterr().out
+    (tmp_path / "box_probe.py").write_text("import json\nprint(json.dumps({'gemm_gflops': 1.0}))\n")  # no line for people
+    assert bench.box_probe(2, "end") == {"gemm_gflops": 1.0}
+    assert "box (end): (the probe printed no summary line)" in capsys.readouterr().out
