@@ -166,9 +166,10 @@ class AlgorithmConfig(BaseModel):
     # --- KL and entropy ---------------------------------------------------------------------
     kl_estimator: str = Field(
         "k3",
-        description="KL(π‖π_ref) estimator by registered name (Schulman 2020): k1 (unbiased, "
-        "noisy, can go negative), k2 (½x², biased, low variance), k3 (unbiased, ≥ 0; GRPO), abs, "
-        "full (exact over the vocabulary; needs full log-softmax of both models, costly).",
+        description="KL(π‖π_ref) estimator by registered name (Schulman 2020), on the sampled tokens: "
+        "k1 (unbiased, noisy, can go negative), k2 (½x², biased, low variance), k3 (unbiased, ≥ 0; "
+        "GRPO), abs. 'full' (exact over the vocabulary) is refused: the update sees only the "
+        "sampled tokens' reference log-probs (docs/algorithms.md).",
     )
     kl_coef: float = Field(
         0.001, ge=0.0,
@@ -278,6 +279,12 @@ class AlgorithmConfig(BaseModel):
     @field_validator("kl_estimator")
     @classmethod
     def _kl_registered(cls, value: str) -> str:
+        if value == "full":  # ROLL and verl spell it so; say why it is missing, not just that it is
+            raise ValueError(
+                "algorithm.kl_estimator = 'full' is not supported: the exact KL over the vocabulary needs "
+                "the reference model's log-softmax [B,T,V] at every response token during the update, and "
+                "the training step gets only the sampled tokens' reference log-probs [B,T] from the "
+                f"reference stage; use one of {sorted(registry.KL_ESTIMATORS)} (k3 is unbiased and ≥ 0)")
         return _check_name("kl_estimator", value, registry.KL_ESTIMATORS)
 
     def old_logprobs_in_update(self, rows: int, mini_batch_size: int) -> bool:

@@ -113,8 +113,7 @@ def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, st
             rewards, m = apply_kl_penalty(cfg, rewards, old, ref, mask, kl_coef=kl_coef)
             metrics.update(m)
         # the KL the adaptive controller steers on: the sampling policy vs the reference, this batch
-        estimator = get_kl("k3" if cfg.kl_estimator == "full" else cfg.kl_estimator)
-        current_kl = float(masked_mean(estimator(old, ref), mask.float()))
+        current_kl = float(masked_mean(get_kl(cfg.kl_estimator)(old, ref), mask.float()))
         ctrl.update(current_kl, n_steps=len(df))
         metrics["actor/kl_ctrl_current_kl"] = current_kl
     values = token_column(df, "values", T) if "values" in df.columns else None

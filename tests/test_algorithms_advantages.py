@@ -53,6 +53,49 @@ def test_reinforce_plus_plus_hand_values():
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
 
 
+def test_returns_carry_across_a_masked_turn_gap():
+    # multi-turn row: policy turn a0 a1 | environment tokens o2 o3 (mask 0) | policy turn a4 a5,
+    # outcome reward 1 on the last policy token (t = 5), γ = 0.5. Masked tokens are not steps:
+    # G5 = 1, G4 = 0.5 · 1 = 0.5, o3 and o2 pass 0.5 on undiscounted, G1 = 0.5 · 0.5 = 0.25,
+    # G0 = 0.125 → returns [0.125, 0.25, 0, 0, 0.5, 1] (a reset at the gap gave the first turn 0)
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
+    (adv, ret), _ = get_advantage("reinforce")(rewards, mask, torch.zeros(1), gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([[0.125, 0.25, 0.0, 0.0, 0.5, 1.0]]))
+    # batch baseline b = mean score = 1: A = G − b on the policy tokens
+    torch.testing.assert_close(adv, torch.tensor([[-0.875, -0.75, 0.0, 0.0, -0.5, 0.0]]))
+    # REINFORCE++: whiten [0.125, 0.25, 0.5, 1] over the 4 policy tokens: mean 0.46875,
+    # unbiased var = 0.44921875 / 3 = 0.149740 → A = (G − 0.46875) / 0.386962
+    (adv, ret), _ = get_advantage("reinforce_plus_plus")(rewards, mask, torch.zeros(1), gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([[0.125, 0.25, 0.0, 0.0, 0.5, 1.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[-0.888330, -0.565301, 0.0, 0.0, 0.080757, 1.372874]]),
+                               atol=1e-5, rtol=0)
+    # γ = 1: both turns get the outcome; a reward on an environment token (7 on o3) is not counted
+    for r in (rewards, torch.tensor([[0.0, 0.0, 0.0, 7.0, 0.0, 1.0]])):
+        (_, ret), _ = get_advantage("reinforce_plus_plus")(r, mask, torch.zeros(1), gamma=1.0)
+        torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]]))
+
+
+def test_multi_turn_table_credits_the_first_turn():
+    # the training stage's path: a rollout table with loss_mask → prepare_update → advantages.
+    # Row 0: turn 1 (2 tokens) | 2 environment tokens | turn 2 (1 token), reward 1; row 1: same
+    # layout, reward 0. γ = 1: returns [1, 1, 0, 0, 1] and [0, 0, 0, 0, 0]; whitened over the 6
+    # policy tokens (mean 0.5, unbiased var 0.3): ±0.5 / 0.547723 = ±0.912871 on every policy token
+    import pandas as pd
+
+    from configs.algorithm import AlgorithmConfig
+    from engines.rl_step import prepare_update, table_to_batch
+
+    df = pd.DataFrame({"group_id": ["a", "b"], "prompt_token_ids": [[5, 6], [5, 7]],
+                       "response_token_ids": [[1, 2, 3, 4, 5]] * 2, "loss_mask": [[1, 1, 0, 0, 1]] * 2,
+                       "reward": [1.0, 0.0], "finish_reason": ["stop", "stop"]})
+    batch = table_to_batch(df, pad_id=0)
+    u = prepare_update(df, batch, AlgorithmConfig(advantage="reinforce_plus_plus", gamma=1.0, kl_coef=0.0))
+    torch.testing.assert_close(u.returns, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0], [0.0] * 5]))
+    a = 0.5 / math.sqrt(0.3 + 1e-8)
+    torch.testing.assert_close(u.advantages, torch.tensor([[a, a, 0.0, 0.0, a], [-a, -a, 0.0, 0.0, -a]]))
+
+
 def test_reinforce_plus_plus_baseline_hand_values():
     # group 0 [1, 0] → centred [0.5, −0.5]; group 1 [1, 1] → [0, 0]
     # whiten over 4 tokens: mean 0, var = (0.25 + 0.25) / 3 = 1/6 → A = [1.224745, −1.224745, 0, 0]
@@ -118,13 +161,13 @@ def _whiten_loop(mat, mask):
 
 
 def _returns_loop(rewards, mask, gamma):
+    # G_t = Σ_{k ≥ t, k unmasked} γ^{n(t,k)} r_k, n(t,k) = unmasked tokens in [t, k), on unmasked t
     out = []
     for r_row, m_row in zip(rewards.tolist(), mask.tolist()):
-        running, row = 0.0, [0.0] * len(r_row)
-        for t in reversed(range(len(r_row))):
-            running = r_row[t] + gamma * running
-            row[t] = running * m_row[t]
-            running *= m_row[t]
+        valid = [t for t, m in enumerate(m_row) if m]
+        row = [0.0] * len(r_row)
+        for i, t in enumerate(valid):
+            row[t] = sum(gamma ** (j - i) * r_row[k] for j, k in enumerate(valid) if j >= i)
         out.append(row)
     return out
 

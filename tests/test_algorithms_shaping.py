@@ -196,7 +196,7 @@ def test_compute_advantages_whiten_clip_and_ema_wiring():
         compute_advantages(AlgorithmConfig(advantage="gae"), rewards, mask, index)
 
 
-def test_actor_loss_tis_full_kl_and_critic_loss_wiring():
+def test_actor_loss_tis_kl_and_critic_loss_wiring():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     logp, adv, mask = old.clone().requires_grad_(True), torch.ones(1, 2), torch.ones(1, 2)
     rollout = torch.log(torch.tensor([[0.25, 0.5]]))
@@ -206,14 +206,13 @@ def test_actor_loss_tis_full_kl_and_critic_loss_wiring():
     loss, m = actor_loss(AlgorithmConfig(use_kl_loss=False, tis_cap=1.5), logp, old, None, adv, mask,
                          rollout_logprobs=rollout)
     assert loss.item() == pytest.approx(-1.25)                          # weights [1.5, 1]
-    # full KL: KL([.5,.5] ‖ [.25,.75]) = 0.143841 on both tokens, β = 0.5 (kl_coef override)
-    p = torch.tensor([[[0.5, 0.5], [0.5, 0.5]]]).log()
-    q = torch.tensor([[[0.25, 0.75], [0.25, 0.75]]]).log()
-    cfg = AlgorithmConfig(kl_estimator="full")
-    loss, m = actor_loss(cfg, logp, old, None, adv, mask, full_logprobs=p, ref_full_logprobs=q, kl_coef=0.5)
+    # k1 KL loss, β = 0.5 (kl_coef override): log π = ln[.5, .5], log π_ref = ln[.25, .75]
+    # → k1 = [ln 2, ln(2/3)] = [0.693147, −0.405465], token-mean 0.143841
+    ref = torch.tensor([[0.25, 0.75]]).log()
+    cfg = AlgorithmConfig(kl_estimator="k1")
+    loss, m = actor_loss(cfg, logp, old, ref, adv, mask, kl_coef=0.5)
     assert loss.item() == pytest.approx(-1.0 + 0.5 * 0.143841, abs=1e-6) and m["actor/kl_coef"] == 0.5
-    with pytest.raises(ValueError, match="full_logprobs"):
-        actor_loss(cfg, logp, old, q[..., 0], adv, mask)
+    assert "actor/kl_loss" not in actor_loss(cfg, logp, old, None, adv, mask)[1]     # no reference: no KL term
     vloss, m = critic_loss(AlgorithmConfig(advantage="gae"), torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2),
                            torch.tensor([[0.8, 1.0]]), mask)
     assert vloss.item() == pytest.approx(0.2725)                        # see test_value_loss_hand_values

@@ -128,6 +128,15 @@ def test_unregistered_algorithm_name_lists_the_allowed_names(tmp_path):
     assert "'k3'" in config_error(tmp_path, "algorithm:\n  kl_estimator: k4\n")
 
 
+@pytest.mark.parametrize("use_kl_loss", ["true", "false"])
+def test_full_vocabulary_kl_is_refused_at_load(tmp_path, use_kl_loss):
+    # the update has only the sampled tokens' reference log-probs, so 'full' could never run: the
+    # config refuses it before any cluster starts, naming the field, the value and the choices
+    msg = config_error(tmp_path, f"algorithm:\n  kl_estimator: full\n  use_kl_loss: {use_kl_loss}\n")
+    assert "algorithm.kl_estimator = 'full' is not supported" in msg and "[B,T,V]" in msg
+    assert "['abs', 'k1', 'k2', 'k3']" in msg
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
 def test_group_estimators_need_two_samples(tmp_path, advantage):
     msg = config_error(tmp_path, f"rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: {advantage}\n")

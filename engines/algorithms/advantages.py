@@ -23,15 +23,19 @@ Result = tuple[tuple[Tensor, Tensor], dict[str, float]]
 
 
 def _discounted_returns(token_level_rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
-    """Return-to-go G_t = r_t + γ G_{t+1}, restarted after masked tokens (verl REINFORCE++).
-    [B,T] → [B,T]."""
-    mask = response_mask.float()
-    returns = torch.zeros_like(token_level_rewards, dtype=torch.float32)
-    running = torch.zeros(token_level_rewards.shape[0], device=token_level_rewards.device)  # [B]
-    for t in reversed(range(token_level_rewards.shape[1])):
-        running = token_level_rewards[:, t].float() + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+    """Return-to-go over the policy's own tokens: G_t = r_t + γ G_{t'}, t' the next unmasked token
+    after t. Masked tokens (environment tokens between turns, padding) are not steps: the running
+    return passes them unchanged (no discount, their reward not counted, as ``gae`` skips them),
+    so a reward in a later turn reaches every earlier turn. verl's REINFORCE++ instead resets the
+    sum at every masked token, which cuts multi-turn credit at the first environment token.
+    [B,T] → [B,T], 0 on masked tokens."""
+    valid = response_mask > 0                                          # [B,T]
+    rewards = token_level_rewards.float()                              # [B,T]
+    returns = torch.zeros_like(rewards)                                # [B,T]
+    running = torch.zeros(rewards.shape[0], device=rewards.device)     # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
     return returns
 
 
@@ -104,7 +108,9 @@ def reinforce(
 ) -> Result:
     """REINFORCE with a scalar baseline (Williams 1992; ReMax-style batch baseline).
 
-    A_{i,t} = G_{i,t} − b, with G_{i,t} = Σ_{k≥t} γ^{k−t} r_{i,k} the return-to-go.
+    A_{i,t} = G_{i,t} − b, with G_{i,t} = Σ_{unmasked k≥t} γ^{n(t,k)} r_{i,k} the return-to-go over
+    the policy's tokens (n(t,k): unmasked tokens in [t, k); masked tokens carry the sum, see
+    ``_discounted_returns``).
       baseline="batch": b = mean_i(s_i) over the batch.
       baseline="ema":   b = ``ema_baseline`` (the value carried from earlier batches; the batch
                         mean on the first call), and the new value
@@ -143,7 +149,8 @@ def reinforce_plus_plus(
 ) -> Result:
     """REINFORCE++, Hu 2025 (arXiv 2501.03262): discounted return-to-go whitened over the batch.
 
-    A = whiten_batch(G) with G_{i,t} = Σ_{k≥t} γ^{k−t} r_{i,k}; returns = G.
+    A = whiten_batch(G) with G the return-to-go of ``reinforce`` (carried across masked tokens);
+    returns = G. Departs from verl, which restarts G after every masked token.
     """
     mask = response_mask.float()
     returns = _discounted_returns(token_level_rewards, mask, gamma)    # [B,T]

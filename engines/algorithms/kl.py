@@ -1,11 +1,10 @@
 """KL estimators between the policy and the reference model, and the KL coefficient controllers.
 
-Notation: B samples (= prompts × G), G samples per prompt, T response tokens, V vocabulary.
+Notation: B samples (= prompts × G), G samples per prompt, T response tokens.
 
 Estimators are token level and do no aggregation: ``fn(logprobs, ref_logprobs) -> kl [B,T]``
-with log π and log π_ref of the sampled tokens [B,T] (the "full" estimator takes log-softmax
-[B,T,V] for both). Estimators k1..k3 follow Schulman, "Approximating KL divergence" (2020);
-with x = log π − log π_ref on samples from π:
+with log π and log π_ref of the sampled tokens [B,T]. Estimators k1..k3 follow Schulman,
+"Approximating KL divergence" (2020); with x = log π − log π_ref on samples from π:
   k1 = x (unbiased, high variance, can be negative)   k2 = x²/2 (biased, low variance)
   k3 = exp(−x) − 1 + x (unbiased, ≥ 0, low variance; GRPO's choice)
 They are used either as a loss term or as a per-token reward penalty (see objective.py).
@@ -45,18 +44,6 @@ def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     [B,T] → [B,T]. (GRPO, arXiv 2402.03300, eq. 4.)"""
     log_ref_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)      # [B,T]
     return (torch.exp(log_ref_ratio) - log_ref_ratio - 1.0).clamp(-10.0, 10.0)
-
-
-@register_kl("full")
-def kl_full(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Exact KL(π‖π_ref) over the vocabulary at each position: Σ_v π(v) (log π(v) − log π_ref(v)).
-    log-softmax [B,T,V] for both → [B,T]."""
-    if logprobs.dim() != 3 or ref_logprobs.dim() != 3:
-        raise ValueError(
-            "KL estimator 'full' needs full log-softmax tensors [B,T,V] for policy and reference; "
-            f"got shapes {tuple(logprobs.shape)} and {tuple(ref_logprobs.shape)}"
-        )
-    return (logprobs.exp() * (logprobs - ref_logprobs)).sum(-1)
 
 
 def adaptive_kl_coef(coef: float, current_kl: float, n_steps: int, *, target: float, horizon: int) -> float:

@@ -4,7 +4,7 @@ The trainer calls only the functions of this module; they read the config, pick 
 functions by name and pass each one the options it declares (a registered function gets every
 config-derived option whose name appears in its signature, and no other).
 
-Notation: B samples (= prompts × G), G samples per prompt, T response tokens, V vocabulary.
+Notation: B samples (= prompts × G), G samples per prompt, T response tokens.
 
 Typical use in one training step:
     keep, m = select_groups(cfg, scores, index)                         # rollout side, optional
@@ -81,17 +81,6 @@ def compute_advantages(
     return advantages, returns, metrics
 
 
-def _kl(cfg: AlgorithmConfig, logprobs, ref_logprobs, full_logprobs, ref_full_logprobs) -> Tensor:
-    if cfg.kl_estimator == "full":
-        if full_logprobs is None or ref_full_logprobs is None:
-            raise ValueError("algorithm.kl_estimator = 'full' needs full_logprobs and "
-                             "ref_full_logprobs (log-softmax [B,T,V] of policy and reference)")
-        return get_kl("full")(full_logprobs, ref_full_logprobs)
-    if ref_logprobs is None:
-        raise ValueError(f"algorithm.kl_estimator = {cfg.kl_estimator!r} needs ref_logprobs [B,T]")
-    return get_kl(cfg.kl_estimator)(logprobs, ref_logprobs)
-
-
 def actor_loss(
     cfg: AlgorithmConfig,
     logprobs: Tensor,
@@ -105,15 +94,12 @@ def actor_loss(
     num_seqs: float | None = None,
     rollout_logprobs: Tensor | None = None,
     kl_coef: float | None = None,
-    full_logprobs: Tensor | None = None,
-    ref_full_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Actor loss = policy loss + β·agg(KL) (when ``cfg.use_kl_loss`` and a reference is given)
     − entropy_coef·agg(entropy).
 
     logprobs (with gradient), old_logprobs, ref_logprobs, advantages, response_mask, entropy,
-    rollout_logprobs: [B,T]; full_logprobs / ref_full_logprobs: [B,T,V], only for
-    kl_estimator='full'. ``num_tokens``/``num_seqs``: global counts of the mini-batch (see
+    rollout_logprobs: [B,T]. ``num_tokens``/``num_seqs``: global counts of the mini-batch (see
     ``aggregate.global_counts``). ``rollout_logprobs`` turn on TIS when ``cfg.tis_cap`` is set.
     ``kl_coef`` overrides ``cfg.kl_coef`` (the adaptive controller's current value).
     → (loss scalar, metrics with actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, and
@@ -130,9 +116,9 @@ def actor_loss(
     metrics["actor/pg_loss"] = float(pg_loss.detach())
     loss = pg_loss
 
-    if cfg.use_kl_loss and (ref_logprobs is not None or ref_full_logprobs is not None):
+    if cfg.use_kl_loss and ref_logprobs is not None:
         beta = cfg.kl_coef if kl_coef is None else kl_coef
-        kl = _kl(cfg, logprobs, ref_logprobs, full_logprobs, ref_full_logprobs)          # [B,T]
+        kl = get_kl(cfg.kl_estimator)(logprobs, ref_logprobs)                          # [B,T]
         kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg)
         loss = loss + beta * kl_loss
         metrics.update({"actor/kl_loss": float(kl_loss.detach()), "actor/kl_coef": float(beta)})
@@ -157,8 +143,8 @@ def apply_kl_penalty(
 ) -> tuple[Tensor, dict[str, float]]:
     """KL as a per-token reward penalty (for ``cfg.use_kl_loss = False``): r_t ← r_t − β·KL_t.
 
-    token_level_rewards, response_mask [B,T]; logprobs, ref_logprobs [B,T] (or [B,T,V] log-softmax
-    for kl_estimator='full') → (token_level_rewards [B,T], metrics). ``kl_coef`` overrides
+    token_level_rewards, response_mask, logprobs, ref_logprobs [B,T] → (token_level_rewards [B,T],
+    metrics). ``kl_coef`` overrides
     ``cfg.kl_coef``. Metric actor/reward_kl_penalty is the mean per-token KL, to feed an
     adaptive controller.
     """

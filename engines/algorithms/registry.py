@@ -7,7 +7,7 @@ variant is one decorated function in one file, never an ``if`` branch in a train
     def my_estimator(token_level_rewards, response_mask, index, *, values=None, gamma=1.0, lam=1.0):
         ...
 
-Notation: B samples (= prompts × G), G samples per prompt, T response tokens, V vocabulary.
+Notation: B samples (= prompts × G), G samples per prompt, T response tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ POLICY_LOSSES: dict[str, Callable] = {}
 loss_agg_mode, num_tokens, num_seqs, ...) -> (loss scalar, metrics)"""
 
 KL_ESTIMATORS: dict[str, Callable] = {}
-"""name → fn(logprobs, ref_logprobs) -> kl[B,T]  (token level, no aggregation; the "full"
-estimator takes log-softmax [B,T,V] for both)"""
+"""name → fn(logprobs[B,T], ref_logprobs[B,T]) -> kl[B,T]  (token level, sampled tokens only,
+no aggregation)"""
 
 
 def _register(table: dict[str, Callable], kind: str, name: str) -> Callable[[Callable], Callable]:
