@@ -3,8 +3,8 @@
 Remote: each task has its own ephemeral Ray cluster (KubeRay), so actors are created per task.
 Local (`pyflyte run` without --remote): the Ray plugin starts one local Ray instance for the first
 Ray task and every later task reuses it; engine actors are named per run and role and reused too,
-so a model is loaded once per process and then only updated in place -- the same thing the fused
-mode does on a real cluster. `shutdown()` ends it at the end of the run.
+so a model is loaded once per process and then only updated in place. `shutdown()` ends it at the
+end of the run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What crosses a task boundary: small frozen dataclasses of URIs, keys and scalars (never tensors).
 
 The rollout batch itself travels as a pandas DataFrame (Flyte StructuredDataset, parquet), one row
-per sample; each stage only adds columns (see ROLLOUT_COLUMNS and DESIGN.md).
+per sample; each stage only adds columns (see ROLLOUT_COLUMNS below).
 """
 
 from __future__ import annotations
