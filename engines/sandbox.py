@@ -5,24 +5,27 @@ directory, with a scrubbed environment, and is SIGKILLed (with everything it sta
 wall-clock timeout. The layers, strongest first (docs/sandbox.md says what each one stops and
 what none of them stops):
 
-1. Kernel namespaces via util-linux `unshare`: a new network namespace (no interfaces up, not even
-   loopback), a new PID namespace (the sandbox sees and can signal only its own processes; they
-   all die when its init dies) and a new mount namespace with its own /proc.
+1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir
+   the only writable host path, the host HOME hidden; new network (no route to the host), PID,
+   IPC, UTS and cgroup namespaces; killed with the host process. Without bwrap: util-linux
+   `unshare` (network, PID, mount + /proc) after ONE warning, or nothing ("plain").
 2. Kernel credentials, when the host runs as root: `setpriv` drops to a random unprivileged uid/gid
-   with no supplementary groups and no_new_privs, so only world-writable paths can be written.
+   with no supplementary groups and no_new_privs.
 3. Kernel resource limits (`setrlimit` in the sandbox before any model code runs): CPU seconds,
    address space, file size, process count, no core files, open files.
 4. The host side: wall-clock timeout, SIGKILL of the process group and of every process of the
    sandbox uid, stdout/stderr read incrementally and capped, the work dir removed.
-5. An audit hook (PEP 578) inside the sandboxed interpreter: refuses writes outside the work dir,
-   running other programs, forking beyond the budget, sockets, signals to foreign processes,
-   reading credential files, and importing ctypes. Bypassable by native code; layers 1-3 are
-   what holds then.
+5. A separate test harness: the supervisor runs the tests in its own interpreter against proxies
+   of the program's names, so nothing the program patches or returns can fake a pass, and only
+   the supervisor holds the report pipe the verdict is read from.
+6. An audit hook (PEP 578) in the program process: refuses writes outside the work dir, running
+   other programs, forking beyond the budget, sockets, signals to foreign processes, reading
+   credential files, and importing ctypes. Bypassable by native code; layers 1-5 hold then.
 
-The sandboxed interpreter is `python -I -B -c <engines/sandbox_child.py>`: its init process (the supervisor)
-sets the limits, forks one worker that installs the audit hook and runs the program and then the
-tests, waits for it and reports its exit status. Results come back on a private report pipe as
-JSON lines; the ones that count towards "passed" carry a per-run nonce.
+The sandboxed interpreter is `python -I -B -c <engines/sandbox_child.py>`: the supervisor sets
+the limits, forks the program process, and reports its exit status, the test results and a
+per-run nonce on a private report pipe; the program process's own reports (forbidden, memory,
+crash) arrive on a second pipe that can only turn a run into a non-pass.
 
     flyroll sandbox PROGRAM.py [--tests TESTS.py] [--timeout S] [--memory-mb M]
 """
@@ -96,23 +99,65 @@ _BOOTSTRAP = (Path(__file__).with_name("sandbox_child.py")).read_text()
 class Isolation:
     """Which kernel layers this host gives the sandbox. See `isolation()`."""
 
-    mode: str                  # "root-ns" | "userns" | "plain"
+    mode: str                  # "bwrap-root" | "bwrap-userns" | "root-ns" | "userns" | "plain"
     prefix: tuple[str, ...]    # command prefix (before the uid drop) that enters the namespaces
     drop_uid: bool             # setpriv to a random unprivileged uid (host runs as root)
     pidns: bool                # PID + network + mount namespace in effect
+    fs_view: bool = False      # bwrap: read-only host, private /tmp, only the work dir writable
+
+    def command(self, workdir: str) -> list[str]:
+        """The prefix for one run; with bwrap it binds `workdir` (the only writable host path)."""
+        if not self.fs_view:
+            return list(self.prefix)
+        return [*self.prefix, *_bwrap_hide_home(), "--bind", workdir, workdir, "--chdir", workdir, "--"]
 
 
 _NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+_TMP_MB = 64                   # size of each private tmpfs (/tmp, /dev/shm); it is memory
 
 
-def _probe(cmd: list[str]) -> bool:
-    check = "import fractions, json, resource, socket, threading, traceback; print('ok')"
+def _bwrap_prefix(bwrap: str, root: bool) -> tuple[str, ...]:
+    """bubblewrap: the whole host read-only, fresh /proc and /dev, private /tmp and /dev/shm
+    (64 MiB tmpfs each, world-writable, gone after the run), and new IPC,
+    PID, network, UTS and cgroup namespaces; SIGKILL when the host process dies. As root it
+    creates the namespaces itself (setpriv then drops the uid); otherwise through a user
+    namespace, inside which no further user namespace may be created."""
+    user = () if root else ("--unshare-user", "--disable-userns")
+    tmpfs = ("--perms", "1777", "--size", str(_TMP_MB << 20), "--tmpfs")
+    return (bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", *tmpfs, "/dev/shm",
+            *tmpfs, "/tmp", *user, "--unshare-ipc",
+            "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session")
+
+
+def _bwrap_hide_home() -> list[str]:
+    """Hide the host HOME behind an empty tmpfs; when the interpreter lives under HOME (pyenv),
+    hide only the credential paths that exist there."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home == "/" or not os.path.isdir(home):
+        return []
+    interp = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix)}
+    if not any(p == home or p.startswith(home + os.sep) for p in interp):
+        return ["--tmpfs", home]
+    out = []
+    for rel in _SECRET_HOME_PATHS:
+        p = os.path.join(home, rel)
+        if os.path.isdir(p):
+            out += ["--tmpfs", p]
+        elif os.path.exists(p):
+            out += ["--ro-bind", "/dev/null", p]
+    return out
+
+
+def _probe(cmd: list[str]) -> tuple[bool, str]:
+    check = "import fractions, json, pickle, resource, socket, threading, traceback; print('ok')"
     try:
         r = subprocess.run(cmd + [sys.executable, "-I", "-B", "-c", check], capture_output=True,
                            timeout=20, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return r.returncode == 0 and r.stdout.strip() == b"ok"
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    ok = r.returncode == 0 and r.stdout.strip() == b"ok"
+    return ok, "" if ok else (r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}")
 
 
 def _setpriv(uid: int) -> list[str]:
@@ -121,26 +166,51 @@ def _setpriv(uid: int) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def isolation() -> Isolation:
-    """Probe, once, the strongest isolation this host allows; logs a warning when weak.
+    """Probe, once, the strongest isolation this host allows; logs one warning when it falls back.
 
+    bubblewrap (`bwrap`) on PATH: read-only host view + namespaces, plus the uid drop when root
+    ("bwrap-root", needs setpriv) or a user namespace when not ("bwrap-userns"). Without it:
     root with unshare + setpriv: namespaces + unprivileged uid ("root-ns"); non-root with
     unprivileged user namespaces: namespaces, same uid ("userns"); otherwise rlimits + audit hook
     only ("plain", plus the uid drop when root).
     """
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    bwrap, unshare, setpriv = shutil.which("bwrap"), shutil.which("unshare"), shutil.which("setpriv")
     root = os.geteuid() == 0
+    missing = "bubblewrap (`bwrap`) is not on PATH"
+    if bwrap and (setpriv or not root):
+        iso = Isolation("bwrap-root" if root else "bwrap-userns", _bwrap_prefix(bwrap, root), root, True, True)
+        probe_dir = tempfile.mkdtemp(prefix="flyroll-sbx-probe-")
+        try:
+            ok, why = _probe(iso.command(probe_dir) + (_setpriv(_random_uid()) if root else []))
+        finally:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+        if ok:
+            return iso
+        missing = f"bubblewrap (`{bwrap}`) failed its probe ({why})"
+    elif bwrap:
+        missing = "`setpriv` (util-linux) is not on PATH, which bubblewrap needs as root"
+    iso = _fallback(root, unshare, setpriv)
+    log.warning("sandbox: %s; falling back to mode %s%s: without bubblewrap the host filesystem is "
+                "not read-only for native code (it can write wherever the sandbox uid may, e.g. /tmp, "
+                "/dev/shm)%s. Install the Debian package `bubblewrap`.", missing, iso.mode,
+                "" if iso.mode != "plain" else (", uid drop" if iso.drop_uid else ", NO uid drop"),
+                "" if iso.pidns else "; no namespaces either: network and process isolation rest on "
+                "the audit hook only")
+    return iso
+
+
+def _fallback(root: bool, unshare: str | None, setpriv: str | None) -> Isolation:
+    """The modes without bubblewrap: util-linux `unshare` (+ `setpriv` as root), else plain."""
     if root and unshare and setpriv:
         prefix = ("unshare", *_NS_FLAGS, "--")
-        if _probe(list(prefix) + _setpriv(_random_uid())):
+        if _probe(list(prefix) + _setpriv(_random_uid()))[0]:
             return Isolation("root-ns", prefix, True, True)
     if not root and unshare:
         for userflag in ("--map-current-user", "--map-root-user"):
             prefix = ("unshare", "--user", userflag, *_NS_FLAGS, "--")
-            if _probe(list(prefix)):
+            if _probe(list(prefix))[0]:
                 return Isolation("userns", prefix, False, True)
-    drop = root and bool(setpriv) and _probe(_setpriv(_random_uid()))
-    log.warning("sandbox: no namespaces available (mode plain%s): network and process isolation "
-                "rest on the audit hook only", ", uid drop" if drop else ", NO uid drop")
+    drop = root and bool(setpriv) and _probe(_setpriv(_random_uid()))[0]
     return Isolation("plain", (), drop, False)
 
 
@@ -216,10 +286,12 @@ def split_tests(tests: str | Sequence[str] | None) -> list[tuple[str, str]] | No
 def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: str = "",
                 timeout_s: float = 5.0, cpu_s: float | None = None, memory_mb: int = 512,
                 max_output_bytes: int = 64_000, max_file_mb: int = 16,
-                max_procs: int = 32) -> Verdict:
-    """Run `code` (then `tests`, in the same namespace) in the sandbox; never raises for anything
-    the program does. `cpu_s` defaults to `timeout_s`; limits apply per process except
-    `max_procs`, which caps processes + threads of the whole run (and the fork budget)."""
+                max_procs: int = 32, audit_hook: bool = True) -> Verdict:
+    """Run `code`, then `tests` against the names it defined, in the sandbox; never raises for
+    anything the program does. `cpu_s` defaults to `timeout_s`; limits apply per process except
+    `max_procs`, which caps processes + threads of the whole run (and the fork budget).
+    `audit_hook=False` leaves out the in-interpreter refusals (the audit hook and the setsid /
+    fork_exec stubs) so that tests can check the kernel layers alone; rewards never pass it."""
     for name, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
                     ("max_output_bytes", max_output_bytes), ("max_procs", max_procs)):
         if not v or v <= 0:
@@ -228,7 +300,7 @@ def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: s
     iso = isolation()
     uid = _random_uid() if iso.drop_uid else None
     cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s))
-    if uid is not None or iso.mode == "userns":
+    if uid is not None or iso.mode in ("userns", "bwrap-userns"):
         nproc = max_procs + 1
     else:
         nproc = max_procs + 1 + _tasks_of_uid(os.getuid())
@@ -238,9 +310,10 @@ def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: s
     home = os.path.expanduser("~")
     nonce = secrets.token_hex(16)
     workdir = tempfile.mkdtemp(prefix="flyroll-sbx-")
-    cfg = {"nonce": nonce, "workdir": workdir, "program": code, "tests": items, "rlimits": rlimits,
-           "pidns": iso.pidns, "fork_budget": max_procs - 1,
+    cfg = {"workdir": workdir, "program": code, "has_tests": items is not None, "rlimits": rlimits,
+           "pidns": iso.pidns, "fork_budget": max_procs - 1, "audit_hook": bool(audit_hook),
            "secret_paths": [os.path.join(home, p) for p in _SECRET_HOME_PATHS]}
+    secret = {"nonce": nonce, "tests": items}     # read by the supervisor only, after the fork
     try:
         with open(os.path.join(workdir, "program.py"), "w") as f:
             f.write(code)
@@ -248,18 +321,21 @@ def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: s
         if uid is not None:
             os.chown(workdir, uid, uid)
         total = None if items is None else sum(kind == "test" for _, kind in items)
-        return _run(cfg, iso, uid, stdin, timeout_s, max_output_bytes, total)
+        return _run(cfg, secret, iso, uid, stdin, timeout_s, max_output_bytes, total)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run(cfg: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: float,
+def _run(cfg: dict, secret: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: float,
          cap: int, tests_total: int | None) -> Verdict:
-    workdir, nonce = cfg["workdir"], cfg["nonce"]
+    workdir, nonce = cfg["workdir"], secret["nonce"]
     cfg_r, cfg_w = os.pipe()
-    rep_r, rep_w = os.pipe()
-    cmd = [*iso.prefix, *(_setpriv(uid) if uid is not None else []),
-           sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(cfg_r), str(rep_w)]
+    sec_r, sec_w = os.pipe()
+    rep_r, rep_w = os.pipe()      # supervisor -> host: the events that can make a run pass
+    ev_r, ev_w = os.pipe()        # program process -> host: forbidden / memory / program_error
+    cmd = [*iso.command(workdir), *(_setpriv(uid) if uid is not None else []),
+           sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(cfg_r), str(sec_r), str(rep_w), str(ev_w)]
+    sandbox_ends = (cfg_r, sec_r, rep_w, ev_w)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
     with tempfile.TemporaryFile() as stdin_f:     # unlinked: the program sees it only as fd 0
         stdin_f.write(stdin.encode())
@@ -267,24 +343,25 @@ def _run(cfg: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: floa
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, stdin=stdin_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(cfg_r, rep_w), cwd=workdir, env=env,
+                                    pass_fds=sandbox_ends, cwd=workdir, env=env,
                                     start_new_session=True)
         except BaseException:
-            for fd in (cfg_r, cfg_w, rep_r, rep_w):
+            for fd in (*sandbox_ends, cfg_w, sec_w, rep_r, ev_r):
                 os.close(fd)
             raise
-        os.close(cfg_r)
-        os.close(rep_w)
-    try:
-        _write_all(cfg_w, json.dumps(cfg).encode())
-    except OSError:
-        pass  # the sandbox died before reading its config; its exit status says why
-    finally:
-        os.close(cfg_w)
+        for fd in sandbox_ends:
+            os.close(fd)
+    for fd, blob in ((cfg_w, cfg), (sec_w, secret)):   # the secret only once the config is read
+        try:
+            _write_all(fd, json.dumps(blob).encode())
+        except OSError:
+            pass  # the sandbox died before reading it; its exit status says why
+        finally:
+            os.close(fd)
 
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    bufs = {out_fd: bytearray(), err_fd: bytearray(), rep_r: bytearray()}
-    caps = {out_fd: cap, err_fd: cap, rep_r: _REPORT_CAP}
+    bufs = {out_fd: bytearray(), err_fd: bytearray(), rep_r: bytearray(), ev_r: bytearray()}
+    caps = {out_fd: cap, err_fd: cap, rep_r: _REPORT_CAP, ev_r: _REPORT_CAP}
     dropped = dict.fromkeys(bufs, 0)
     sel = selectors.DefaultSelector()
     for fd in bufs:
@@ -327,11 +404,12 @@ def _run(cfg: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: floa
     proc.stdout.close()
     proc.stderr.close()
     os.close(rep_r)
+    os.close(ev_r)
 
     stderr = bytes(bufs[err_fd])
     if dropped[out_fd] or dropped[err_fd]:
         stderr += f"\n[sandbox: output truncated at {cap} bytes per stream]\n".encode()
-    events = _parse_events(bytes(bufs[rep_r]), nonce)
+    events = _parse_events(bytes(bufs[rep_r]), nonce) + _parse_program_events(bytes(bufs[ev_r]))
     exit_ev = next((e for e in events if e["event"] == "exit"), None)
     if exit_ev is not None:
         exit_code = exit_ev["code"]
@@ -369,20 +447,31 @@ def _kill_tree(pid: int, uid: int | None) -> None:
         _kill_uid(uid)
 
 
-def _parse_events(raw: bytes, nonce: str) -> list[dict]:
-    """Report-pipe lines -> events; events that need the nonce and lack it are dropped."""
-    trusted = {"exit", "test", "done", "memory", "program_error"}
+def _json_lines(raw: bytes) -> list[dict]:
     events = []
     for line in raw.splitlines():
         try:
             e = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(e, dict) or "event" not in e:
-            continue
-        if e["event"] in trusted and e.get("nonce") != nonce:
-            continue
-        events.append(e)
+        if isinstance(e, dict) and "event" in e:
+            events.append(e)
+    return events
+
+
+def _parse_events(raw: bytes, nonce: str) -> list[dict]:
+    """Report-pipe lines -> events; events that need the nonce and lack it are dropped."""
+    trusted = {"exit", "test", "done", "memory", "program_error"}
+    return [e for e in _json_lines(raw) if e["event"] not in trusted or e.get("nonce") == nonce]
+
+
+def _parse_program_events(raw: bytes) -> list[dict]:
+    """Program-event pipe lines -> events. The program process can write anything here, so only
+    kinds that can never make a run pass are kept."""
+    events = []
+    for e in _json_lines(raw):
+        if e["event"] in ("forbidden", "memory", "program_error", "setup_error"):
+            events.append({k: v for k, v in e.items() if k != "nonce"})
     return events
 
 
