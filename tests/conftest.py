@@ -28,3 +28,31 @@ def tiny_model_dir(tiny_policy, tmp_path_factory) -> str:
 
     model, tok = tiny_policy
     return save_policy(model, tok, str(tmp_path_factory.mktemp("tiny_policy")))
+
+
+# `pytest -n 2 --dist loadgroup --no-loadscope-reorder` (infra/test.sh): one xdist group per test
+# module, so a module's module-scoped fixtures (one pyflyte run read by several tests, the presets'
+# shared base) are built once, by one worker; the modules that load SmolLM2 share a group so that two
+# ~8 GB pipelines never run at the same time on the 24 GiB box. The groups holding the longest
+# end-to-end runs are handed out first, so the two workers finish close together.
+SMOLLM2_MODULES = {"test_multidomain", "test_agentic_presets", "test_eval_cli", "test_eval_routing"}
+LONGEST_FIRST = ["test_presets", "smollm2", "test_learning", "test_s3_e2e", "test_strategies", "test_resume",
+                 "test_agentic_workflow", "test_schedules", "test_workflow", "test_lineage", "test_decks"]
+
+
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return mark.args[0] if mark.args else mark.kwargs.get("name", "")
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    return "smollm2" if module in SMOLLM2_MODULES else module
+
+
+def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: file order within a rank
