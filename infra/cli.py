@@ -1,6 +1,6 @@
 """`flyroll`: the operational commands that are not workflows.
 
-    flyroll eval --model DIR_OR_URI --data TABLE     accuracy per domain as JSON
+    flyroll eval --model SPEC --data TABLE           accuracy per domain as JSON (SPEC: as model.path)
     flyroll sandbox PROGRAM.py [--tests T.py]        run model-written code in the sandbox
     flyroll stack up|down|status                     local S3 + MLflow services on loopback
     flyroll lineage VERSION_OR_RUN                   model lineage back to the base model

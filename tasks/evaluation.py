@@ -18,13 +18,23 @@ from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 @task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
 def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
-    """Greedy accuracy of `policy` on the eval split; logs eval/accuracy (+ per domain) at step=policy.version."""
+    """Greedy accuracy of `policy` on the eval split; logs eval/accuracy, eval/reward (+ per domain) at
+    step=policy.version. Rows are scored by the scoring stage's own `score_table` (the run's reward
+    workers, routing and model rewards), so eval gives each row the reward training would."""
+    from engines.datasets import encode_nested
+    from engines.evaluation import eval_metrics
+    from tasks.scoring import score_table
+
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "evaluation", policy.version, metrics):
         table = read_table(spec, dataset.eval_key)
         workers = generation_pool(spec, policy)
-        result, rows = ray.get(workers[0].evaluate.remote(table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template))
+        rows = ray.get(workers[0].eval_responses.remote(table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template))
+        rewards, errors = score_table(spec, encode_nested(rows))  # tests/metadata as JSON text, as a rollout table
+        rows["reward"] = rewards
+        rows["reward_error"] = pd.Series(errors, index=rows.index, dtype=object)
+        result = eval_metrics(rows)
         metrics.update({f"eval/{k}": v for k, v in result.items()})
         tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, rows.to_csv(index=False), f"eval/v{policy.version:04d}.csv")
     return float(result["accuracy"])

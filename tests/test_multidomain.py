@@ -45,7 +45,7 @@ def test_mixed_sources_tiny_model(tmp_path):
     m = run.data.metrics
     assert m["rollout/mix/math"] == pytest.approx(0.4) and m["rollout/mix/code"] == pytest.approx(0.2)
     for domain in ("math", "code", "ifeval", "arithmetic"):
-        assert f"reward/{domain}/mean" in m and f"eval/accuracy/{domain}" in m, domain
+        assert f"reward/{domain}/mean" in m and f"eval/accuracy/{domain}" in m and f"eval/reward/{domain}" in m, domain
     assert m["data/skipped_row_reports"] == 1.0 and "3 skipped" in proc.stderr
     assert m["reward/code/accuracy"] == 0.0  # a 32-wide random model writes no passing program
 

@@ -1,0 +1,74 @@
+"""Which reward scores a sample, and scoring a batch of samples with it.
+
+This is the one scoring path: training's reward workers (tasks/workers.py `RewardWorker.score`)
+and evaluation (the workflow's eval task through those same workers, `flyroll eval` and
+engines/evaluation.py in-process) all call `score_samples`, so a row earns the same reward in
+training and in eval.
+
+Routing (`reward_name`), first match wins:
+1. `routes[domain]` -- config `reward.functions`;
+2. `sample["metadata"]["reward_fn"]` -- set by make_dataset when a `data.sources` entry relabels its
+   rows' domain (e.g. reasoning-gym tasks labelled `math` keep the `reasoning_gym` scorer);
+3. the domain's own name.
+
+A name in `MODEL_REWARDS` (`judge`, `reward_model`) is scored in batches by `ModelRewards` with
+its options (config `reward.judge` / `reward.reward_model` as dicts); any other name is a reward
+function (`get_reward`: registered name or "package.module:function"), each call isolated by
+`score_isolated` (timeout, exception -> 0.0 and the error kept).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from engines.rewards import get_reward, score_isolated
+from engines.rewards.models import MODEL_REWARDS, ModelRewards
+
+# (domain, response, sample) -> one scored item; sample holds prompt, answer, tests, metadata
+Item = tuple[str, str, dict]
+
+
+def reward_name(domain: str, sample: dict, routes: dict[str, str] | None = None) -> str:
+    """The reward that scores `sample` of `domain`: routes[domain], else metadata.reward_fn, else domain."""
+    meta = sample.get("metadata") if isinstance(sample.get("metadata"), dict) else {}
+    return (routes or {}).get(domain) or meta.get("reward_fn") or domain
+
+
+def check_reward(name: str, models: dict[str, dict] | None = None) -> None:
+    """Raise KeyError naming the problem when `name` cannot score anything: an unknown or unimportable
+    reward function, or a model reward whose `model` option is not set."""
+    if name in MODEL_REWARDS:
+        if not ((models or {}).get(name) or {}).get("model"):
+            raise KeyError(f"domain routes to {name!r} but reward.{name}.model is not set")
+        return
+    get_reward(name)
+
+
+def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | None, models: dict[str, dict] | None,
+                  pool: cf.ThreadPoolExecutor, model_rewards: ModelRewards) -> tuple[list[tuple[float, str | None]], bool]:
+    """([(reward, error)] per item, hung). hung = a reward call is still stuck in `pool` (its owner should
+    be replaced). routes: domain -> reward name (config `reward.functions`); models: model reward name ->
+    its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
+    out: list = [None] * len(items)
+    batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
+    hung_any = False
+    for i, (domain, response, sample) in enumerate(items):
+        name = reward_name(domain, sample, routes)
+        if name in MODEL_REWARDS:
+            batched.setdefault(name, []).append(i)
+            continue
+        try:
+            fn = get_reward(name)
+        except KeyError as e:
+            out[i] = (0.0, str(e))
+            continue
+        res, hung = score_isolated(fn, response, sample, timeout_s, pool)
+        hung_any |= hung
+        out[i] = (res.reward, res.error)
+    for name, idx in batched.items():
+        results, hung = model_rewards.score(name, (models or {}).get(name), [items[i][1] for i in idx],
+                                            [items[i][2] for i in idx])
+        hung_any |= hung
+        for i, res in zip(idx, results):
+            out[i] = res
+    return out, hung_any
