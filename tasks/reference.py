@@ -3,6 +3,9 @@
 PPO with GAE (`algorithm.advantage: gae`), the values of this iteration's critic (the one published
 with the policy checkpoint; at the first iteration a fresh one from the policy backbone).
 
+The reference is the `reference` PolicyRef the workflow passes: `model.reference_path` when set
+(imported and vocabulary-checked by tasks/prepare.py `reference_policy`), else the starting policy.
+
 Forwards that cannot change the update are skipped: with `algorithm.kl_coef: 0` the reference
 model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0), and the policy
 is not run with `algorithm.old_logprobs: behaviour`, nor with `auto` when the update is one
@@ -17,7 +20,7 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution
-from infra.resources import actor_options_for, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import ReferenceWorker
@@ -33,7 +36,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "reference", iteration, metrics):
-        (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id, {"threads": cfg.run.torch_threads},
+        (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id,
+                               {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "reference", "critic")},
                                actor_options_for(cfg, "reference", is_local_execution()))
         models = {"reference": reference.key, "policy": policy.key}
         if cfg.algorithm.kl_coef == 0:
@@ -65,13 +69,15 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
             metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
             if "policy" in models:  # else old is the behaviour column itself (the trainer measures it)
                 metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
-        publish_rollout_table(spec, df, policy, iteration)
+        publish_rollout_table(spec, df, policy, iteration, reference.key if "reference" in models else None)
     return df
 
 
-def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, iteration: int) -> str:
-    """The complete rollout table of an iteration as a versioned artifact, parent = the policy that
-    sampled it, so any sample can be traced to the model version that produced it."""
+def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, iteration: int, reference: str | None = None) -> str:
+    """The complete rollout table of an iteration as a versioned artifact, first parent = the policy
+    that sampled it, so any sample can be traced to the model version that produced it; `reference`
+    (the key of the model behind `ref_logprobs`, None when no reference forward ran) is the second
+    parent and `metadata.reference`."""
     import os
     import tempfile
 
@@ -81,6 +87,8 @@ def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, it
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "rollout.parquet")
             df.to_parquet(path, index=False)
-            store.publish_file(path, key, kind="rollout", producer="reference_forward", parents=[policy.key],
-                               execution_id=execution_id(), metadata={"iteration": iteration, "rows": len(df)})
+            parents = [policy.key] + ([reference] if reference and reference != policy.key else [])
+            store.publish_file(path, key, kind="rollout", producer="reference_forward", parents=parents,
+                               execution_id=execution_id(),
+                               metadata={"iteration": iteration, "rows": len(df), "reference": reference})
     return key

@@ -1,4 +1,9 @@
-"""Rollout: sample G responses for each of B prompts with the current policy, in generation actors."""
+"""Rollout: sample G responses for each of B prompts with the current policy, in generation actors.
+
+With dynamic sampling (`algorithm.filter_groups`, DAPO) this task also scores its samples and
+refills the batch (tasks/scoring.py `score_batch`): refills need the generation actors, and they
+live here, on the Ray cluster sized for them (infra/resources.py `hosted_roles`). The table then
+leaves this task scored, and the scoring task passes it through."""
 
 from __future__ import annotations
 
@@ -29,6 +34,35 @@ def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
     return workers
 
 
+def sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int) -> pd.DataFrame:
+    """G samples for each prompt from `workers`, one row per sample (the ROLLOUT_COLUMNS of
+    tasks/types.py, plus the prompt table's `answer`, `tests`, `metadata`); group id
+    `<iteration>:<prompt_id>`. The rollout and the DAPO refills both sample through it."""
+    from engines.datasets import encode_nested
+    from engines.generation import SamplingParams
+
+    cfg = config_of(spec)
+    r = cfg.rollout
+    ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
+    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+    shards = np.array_split(np.arange(len(ids)), len(workers))
+    futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
+    extra = [c for c in ("answer", "tests", "metadata") if c in prompts.columns]
+    rows = []
+    for shard, completions in zip(shards, ray.get(futures)):
+        for c in completions:
+            p = prompts.iloc[int(shard[c.prompt_index])]
+            rows.append({
+                "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
+                "domain": p["domain"], "prompt": p["prompt"], **{k: p[k] for k in extra},
+                "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
+                "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
+                "finish_reason": c.finish_reason, "policy_version": version,
+            })
+    return encode_nested(pd.DataFrame(rows))  # tests/metadata as JSON text through parquet
+
+
 def read_table(spec: RunSpec, key: str) -> pd.DataFrame:
     """A published prompt table (train or eval split), nested columns decoded."""
     import glob
@@ -57,9 +91,8 @@ def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int
 
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
-    """B prompts x G samples -> one row per sample with token ids and behaviour log-probs."""
-    from engines.generation import SamplingParams
-
+    """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
+    `algorithm.filter_groups` also scored (reward, reward_error) and refilled to B informative groups."""
     cfg = config_of(spec)
     r = cfg.rollout
     metrics: dict[str, float] = {}
@@ -73,28 +106,9 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
         else:
             prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
         workers = generation_pool(spec, policy)
-        ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
-        params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=cfg.run.seed * 100_003 + iteration)
-        shards = np.array_split(np.arange(len(ids)), len(workers))
-        futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
-        results = ray.get(futures)
-        ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
-        rows = []
-        for shard, completions in zip(shards, results):
-            for c in completions:
-                p = prompts.iloc[int(shard[c.prompt_index])]
-                rows.append({
-                    "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
-                    "domain": p["domain"], "prompt": p["prompt"], "answer": p["answer"],
-                    "tests": p["tests"], "metadata": p["metadata"],
-                    "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
-                    "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
-                    "finish_reason": c.finish_reason, "policy_version": policy.version,
-                })
-        from engines.datasets import encode_nested
-
-        df = encode_nested(pd.DataFrame(rows))  # tests/metadata as JSON text through parquet
+        df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
+        if not cfg.algorithm.filter_groups:
+            ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
         lengths = df["response_token_ids"].map(len)
         metrics.update({
             "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),
@@ -106,4 +120,9 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
     from infra import tracking
 
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, {"rollout/tokens_per_s": metrics_tps}, step=iteration)
+    if cfg.algorithm.filter_groups:  # DAPO: score, keep informative groups, refill with these actors
+        from tasks.scoring import score_batch
+
+        df = score_batch(spec, df, iteration, refill=(workers, train))  # logs as the scoring stage
+        ray.get([w.sleep.remote() for w in workers])
     return df

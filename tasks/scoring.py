@@ -2,11 +2,14 @@
 
 With dynamic sampling (`algorithm.filter_groups`, DAPO arXiv 2503.14476) the stage also drops the
 groups whose rewards are all equal (zero group-relative advantage) and refills the batch: it samples
-groups for further prompts with the run's generation actors, scores them and keeps the informative
+groups for further prompts with the rollout's generation actors, scores them and keeps the informative
 ones, until it has `rollout.prompts_per_iteration` groups or has made
 `algorithm.max_generation_rounds` generation calls (the rollout's included); then it trains on what
 it has (on the unfiltered batch when no group at all is informative). Refill prompts are drawn
-with the rollout's `data.domain_weights` when they are set (`refill_prompts`).
+with the rollout's `data.domain_weights` when they are set (`refill_prompts`). Refills run where
+generation runs: the rollout task calls `score_batch` with its own actors (its Ray cluster is the
+one sized for them; a generation actor created here would ask the scoring cluster for a GPU it does
+not have), logging it as this stage, and the `score` task passes the scored table through.
 
 Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model each
 reward worker loads once (engines/rewards/models.py).
@@ -14,18 +17,15 @@ reward worker loads once (engines/rewards/models.py).
 
 from __future__ import annotations
 
-import glob
-import typing
-
 import numpy as np
 import pandas as pd
 import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, is_local_execution, kill_pool
-from infra.resources import actor_options_for, ray_job, task_resources
-from tasks.common import check_columns, config_of, console, fetch_cached, stage
-from tasks.types import DatasetRef, PolicyRef, RunSpec
+from infra.resources import actor_options_for, ray_job, role_devices, task_resources
+from tasks.common import check_columns, config_of, console, stage
+from tasks.types import RunSpec
 from tasks.workers import RewardWorker
 
 
@@ -45,7 +45,9 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     loads once and keeps (engines/rewards/models.py)."""
     cfg = config_of(spec)
     n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
-    models = {"judge": cfg.reward.judge.model_dump(), "reward_model": cfg.reward.reward_model.model_dump()}
+    device, dtype = role_devices(cfg, "reward")["reward"]  # where the reward workers' models live
+    models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
+              "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
     opts = actor_options_for(cfg, "reward", is_local_execution())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
@@ -98,61 +100,6 @@ def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _refill_sources(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef | None, dataset: DatasetRef | None) -> tuple[list, pd.DataFrame]:
-    """(generation actors serving the policy that sampled `df`, the train prompt table).
-
-    The workflow should pass `policy` and `dataset` to `score`; without them the train split comes
-    from the run's MLflow tag (set by make_dataset), the policy from its version (published key),
-    and at version 0 (the base, whose key only prepare knows) the live actors of a local run are
-    used as they are: the rollout has just loaded that policy into them."""
-    from engines.datasets import decode_nested
-    from infra import tracking
-    from tasks.rollout import generation_actors, generation_pool
-    from tasks.training import policy_key
-
-    train_key = dataset.train_key if dataset else \
-        tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags["flyroll.dataset.train"]
-    (path,) = glob.glob(f"{fetch_cached(spec, train_key)}/*.parquet")
-    train = decode_nested(pd.read_parquet(path))
-    version = int(df["policy_version"].iloc[0])
-    if policy is None and version > 0:
-        policy = PolicyRef(key=policy_key(spec, version), version=version)
-    if policy is not None:
-        return generation_pool(spec, policy), train
-    if not is_local_execution():
-        raise ValueError("dynamic sampling (algorithm.filter_groups) at iteration 1 needs the workflow to pass "
-                         "policy= and dataset= to the score task")
-    return generation_actors(spec), train
-
-
-def _sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int) -> pd.DataFrame:
-    """G samples for each prompt, one row per sample. Duplicates the row construction of
-    tasks/rollout.py:rollout (same columns and group ids); keep the two in sync."""
-    from engines.datasets import encode_nested
-    from engines.generation import SamplingParams
-
-    cfg = config_of(spec)
-    r = cfg.rollout
-    ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
-    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                            max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
-    shards = np.array_split(np.arange(len(ids)), len(workers))
-    futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
-    extra = [c for c in ("answer", "tests", "metadata") if c in prompts.columns]
-    rows = []
-    for shard, completions in zip(shards, ray.get(futures)):
-        for c in completions:
-            p = prompts.iloc[int(shard[c.prompt_index])]
-            rows.append({
-                "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
-                "domain": p["domain"], "prompt": p["prompt"], **{k: p[k] for k in extra},
-                "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
-                "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
-                "finish_reason": c.finish_reason, "policy_version": version,
-            })
-    return encode_nested(pd.DataFrame(rows))
-
-
 def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int) -> pd.DataFrame:
     """Candidate prompts for a refill of `iteration` after `round_` generation rounds (1 = the
     rollout's only, so the first refill): a fresh draw mixed by
@@ -169,16 +116,20 @@ def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int
     return iteration_prompts(train, n, iteration, cfg.run.seed + 7919 * round_)
 
 
-def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: PolicyRef | None,
-                     dataset: DatasetRef | None) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Keep informative groups of the scored `df`, refilling with new prompts (see module doc)."""
+def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int,
+                     refill: tuple[list, pd.DataFrame] | None) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Keep informative groups of the scored `df`, refilling with new prompts (see module doc).
+    `refill`: (generation actors serving the policy that sampled `df`, the train prompt table);
+    None = no refills (the groups of `df` only)."""
+    from tasks.rollout import sample_groups
+
     cfg = config_of(spec)
     want, rounds, max_rounds = cfg.rollout.prompts_per_iteration, 1, cfg.algorithm.max_generation_rounds
     seen = df["group_id"].nunique()
     parts = [df[df["group_id"].isin(informative_groups(cfg, df))]]
     kept = parts[0]["group_id"].nunique()
-    if kept < want and rounds < max_rounds:
-        workers, train = _refill_sources(spec, df, policy, dataset)
+    if kept < want and rounds < max_rounds and refill is not None:
+        workers, train = refill
         used = set(df["prompt_id"])
         while kept < want and rounds < max_rounds:
             prompts = refill_prompts(cfg, train, want, iteration, rounds)
@@ -187,7 +138,7 @@ def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: Po
             rounds += 1
             if prompts.empty:
                 continue
-            more = _scored(spec, _sample_groups(spec, workers, prompts, int(df["policy_version"].iloc[0]), iteration,
+            more = _scored(spec, sample_groups(spec, workers, prompts, int(df["policy_version"].iloc[0]), iteration,
                                                 cfg.run.seed * 100_003 + iteration + 50_021 * rounds))
             seen += more["group_id"].nunique()
             parts.append(more[more["group_id"].isin(informative_groups(cfg, more))])
@@ -203,12 +154,10 @@ def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int, policy: Po
     return out, metrics
 
 
-@task(task_config=ray_job("scoring"), **task_resources("scoring"))
-def score(spec: RunSpec, batch: pd.DataFrame, iteration: int, policy: typing.Optional[PolicyRef] = None,
-          dataset: typing.Optional[DatasetRef] = None) -> pd.DataFrame:
-    """Adds `reward` and `reward_error` to every row; with `algorithm.filter_groups` the table keeps
-    only informative groups, refilled from further prompts (`policy`/`dataset`: the policy that
-    sampled `batch` and the prompt tables, for refills; derived from the run when not given)."""
+def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int,
+                refill: tuple[list, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """The scoring stage: rewards for every row, reward/* metrics of these samples and, with
+    `algorithm.filter_groups`, dynamic sampling (`refill`: see `dynamic_sampling`)."""
     check_columns(batch, "rollout")
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
@@ -225,6 +174,16 @@ def score(spec: RunSpec, batch: pd.DataFrame, iteration: int, policy: typing.Opt
         solved = df.groupby("group_id")["reward"].agg(["min", "max"])
         metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
         if config_of(spec).algorithm.filter_groups:  # reward/* above describe the rollout's own samples
-            df, m = dynamic_sampling(spec, df, iteration, policy, dataset)
+            df, m = dynamic_sampling(spec, df, iteration, refill)
             metrics.update(m)
     return df
+
+
+@task(task_config=ray_job("scoring"), **task_resources("scoring"))
+def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
+    """Adds `reward` and `reward_error` to every row. A table that already has them was scored
+    (and, with `algorithm.filter_groups`, refilled) by the rollout task: it passes through as is."""
+    if "reward" in batch.columns:
+        check_columns(batch, "rollout", "scoring")
+        return batch
+    return score_batch(spec, batch, iteration)

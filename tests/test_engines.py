@@ -418,8 +418,8 @@ def test_evaluate_with_the_hf_engine(tiny_policy):
     model, tok = tiny_policy
     table = eval_table(4)
     metrics, rows = evaluate(HFGenerationEngine(model, tok), tok, table, max_new_tokens=4)
-    assert set(metrics) == {"accuracy", "length", "accuracy/arithmetic", "accuracy/reverse"}
-    assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k.startswith("accuracy"))
+    assert set(metrics) == {"accuracy", "length", "accuracy/arithmetic", "accuracy/reverse", "reward", "reward/arithmetic", "reward/reverse"}
+    assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k.startswith(("accuracy", "reward")))
     assert 1 <= metrics["length"] <= 4
     assert len(rows) == 4 and set(rows["reward"]) <= {0.0, 1.0}
     assert encode_prompts(tok, ["1+2="]) == encode(tok, ["1+2="])

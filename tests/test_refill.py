@@ -32,3 +32,51 @@ def test_refills_without_weights_are_unchanged():
     train, cfg = _train(), parse_config({"run": {"seed": 3}})
     assert refill_prompts(cfg, train, 8, 5, 1).equals(iteration_prompts(train, 8, 5, 3 + 7919))
     assert set(refill_prompts(cfg, train, 64, 5, 1)["domain"]) == {"a", "b", "c"}
+
+
+def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypatch, tiny_model_dir):
+    """DAPO through the real rollout and score tasks (local Flyte, local Ray, a tiny policy, a reward
+    that is always 1 so every group is all-equal and the batch is refilled up to the cap): the
+    generation actors the refills need are only ever created by the rollout task, whose cluster is
+    declared with room for them (infra/resources.py `hosted_roles`; tests/test_placement.py checks
+    the fit); the scoring task creates no generation actor and passes the scored table through."""
+    import yaml
+
+    import tasks.rollout
+    import tasks.scoring
+    from infra import tracking
+    from infra.ray_session import shutdown
+    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tests.test_workflow import REPO
+
+    raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
+    raw["run"]["output_dir"] = str(tmp_path / "runs")
+    raw["model"] = {"path": tiny_model_dir}
+    raw["rollout"].update(prompts_per_iteration=2, samples_per_prompt=2, max_new_tokens=3)
+    raw["reward"]["functions"] = {"arithmetic": "tests.hostile_rewards:ok", "reverse": "tests.hostile_rewards:ok"}
+    raw["algorithm"] = {"filter_groups": True, "max_generation_rounds": 2, "kl_coef": 0.0}
+    (tmp_path / "dapo.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+
+    created, current = [], ["?"]
+    for module in (tasks.rollout, tasks.scoring):
+        def recording(cls, role, *args, _real=module.actor_pool, **kwargs):
+            created.append((current[0], role))
+            return _real(cls, role, *args, **kwargs)
+        monkeypatch.setattr(module, "actor_pool", recording)
+
+    spec, model_spec = prepare_run(config=str(tmp_path / "dapo.yaml"), restart=False)
+    base = build_base_policy(model_spec)
+    dataset = make_dataset(spec=spec)
+    try:
+        current[0] = "rollout"
+        batch = tasks.rollout.rollout(spec=spec, policy=base, dataset=dataset, iteration=1)
+        current[0] = "scoring"
+        scored = tasks.scoring.score(spec=spec, batch=batch, iteration=1)
+    finally:
+        shutdown()
+    assert ("scoring", "generation") not in created, created
+    assert {role for task, role in created if task == "rollout"} == {"generation", "reward"}, created
+    rounds = tracking.client(spec.tracking_uri).get_metric_history(spec.mlflow_run_id, "dynamic_sampling/generation_rounds")
+    assert [m.value for m in rounds] == [2.0]  # the rollout task refilled once, then hit the cap
+    assert list(scored["reward"]) == list(batch["reward"]) == [1.0] * 4  # nothing informative: the unfiltered batch

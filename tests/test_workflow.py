@@ -127,6 +127,23 @@ def test_metrics_params_and_model_versions_recorded(e2e_run):
     assert all(v.tags["flyroll.run_id"] == run.data.tags["flyroll.run_id"] for v in versions)
 
 
+def test_eval_scores_rows_with_the_training_reward(e2e_run, tmp_path):
+    """e2e.yaml routes arithmetic/reverse to tests.e2e_rewards:starts_with_digit (reward.functions):
+    the eval task scores every row with it, as training does (not with the domain's exact match)."""
+    import pandas as pd
+
+    from tests.e2e_rewards import starts_with_digit
+
+    tmp, _, _ = e2e_run
+    c, run = _mlflow(tmp)
+    rows = pd.read_csv(c.download_artifacts(run.info.run_id, "eval/v0000.csv", str(tmp_path)), dtype={"response": str},
+                       keep_default_na=False)
+    assert len(rows) == 16 and (rows["reward_error"] == "").all()
+    assert rows["reward"].tolist() == [starts_with_digit(r, {}) for r in rows["response"]]
+    at_start = [m.value for m in c.get_metric_history(run.info.run_id, "eval/reward") if m.step == 0]
+    assert at_start and at_start[0] == pytest.approx(rows["reward"].mean())
+
+
 def test_rerun_resumes_and_redoes_nothing(e2e_run):
     from infra.store import ArtifactStore
 

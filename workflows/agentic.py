@@ -22,7 +22,7 @@ from infra.resources import task_resources
 from tasks.agentic import evaluate_episodes, rollout_episodes, score_episodes
 from tasks.common import config_of, execution_id, store_of
 from tasks.evaluation import finalize
-from tasks.prepare import EVAL_SEED0, bootstrap_policy, loop_bounds, prepare_run, resume_point
+from tasks.prepare import EVAL_SEED0, bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
 from tasks.reference import reference_forward
 from tasks.training import train
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -89,7 +89,8 @@ def agentic(config: str = "configs/frozenlake.yaml", restart: bool = False) -> P
     spec, model_spec = prepare_run(config=config, restart=restart)
     dataset = env_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
+    reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
-    out = agentic_loop(spec=spec, start=start, reference=base, dataset=dataset, last=last, eval_every=eval_every)
+    out = agentic_loop(spec=spec, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)

@@ -21,7 +21,7 @@ from flytekit import dynamic, workflow
 
 from infra.resources import task_resources
 from tasks.evaluation import evaluate, finalize
-from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, resume_point
+from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
 from tasks.scoring import score
@@ -41,7 +41,7 @@ LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", floa
 @workflow
 def rl_iteration(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, iteration: int) -> IterationOut:
     batch = rollout(spec=spec, policy=policy, dataset=dataset, iteration=iteration)            # B x G samples
-    scored = score(spec=spec, batch=batch, iteration=iteration, policy=policy, dataset=dataset)  # + reward (refills: DAPO)
+    scored = score(spec=spec, batch=batch, iteration=iteration)                                 # + reward (DAPO: in rollout)
     full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration)  # + ref/old log-probs
     checkpoint = train(spec=spec, batch=full, policy=policy, iteration=iteration)              # actor update
     new_policy = publish_weights(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset, iteration=iteration)
@@ -69,8 +69,9 @@ def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
     spec, model_spec = prepare_run(config=config, restart=restart)
     dataset = make_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
+    reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
-    out = rl_loop(spec=spec, start=start, reference=base, dataset=dataset, last=last, eval_every=eval_every)
+    out = rl_loop(spec=spec, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
 
