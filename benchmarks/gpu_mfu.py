@@ -5,6 +5,8 @@ Qwen2.5-0.5B's shape (random init: no weights to download). Prints a short table
     python benchmarks/gpu_mfu.py --smoke             # CPU, a shrunk model: checks the script runs (seconds)
     python benchmarks/gpu_mfu.py --peak-tflops 756   # another GPU (here: H100 PCIe dense bf16)
     python benchmarks/gpu_mfu.py --compile           # + the first training shape with training.compile (and variants)
+    python benchmarks/gpu_mfu.py --quick             # the first training shape only, no generation (benchmarks/gpu_check.sh)
+    python benchmarks/gpu_mfu.py --mixed             # float32 master weights + bf16 autocast, as the pipeline trains
 
 Training: two shapes (sequences x tokens per sequence, half prompt, half response), each timed both
 as a plain causal-LM step (HF cross-entropy forward + backward + AdamW) and as flyroll's GRPO actor
@@ -103,7 +105,8 @@ def isolated(what: str, shape: str, measure) -> dict:
 
 
 def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int, compile: str = "off",
-               group: int = 1, ce: bool = True, shared_prefix: bool = True, prompt_share: float = 0.5) -> list[dict]:
+               group: int = 1, ce: bool = True, shared_prefix: bool = True, prompt_share: float = 0.5,
+               compute_dtype=None) -> list[dict]:
     """GRPO step rows (and, with `ce`, the causal-LM CE step) per (sequences, tokens) shape.
     `group` > 1: rows share their prompt in groups of that size, as GRPO's samples do (the update
     then runs each prompt once, engines/batching.py shared prefix, unless `shared_prefix` is off).
@@ -115,6 +118,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
 
     from configs.algorithm import AlgorithmConfig
     from engines.batching import TokenBatch
+    from engines.devices import mixed_precision
     from engines.training import TorchTrainEngine
 
     V = model.config.vocab_size
@@ -138,7 +142,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
                 for n, child in layer.named_children():
                     if n != "self_attn":
                         child.compile()
-        engine = TorchTrainEngine(model, lr=1e-6, compile=compile == "layers")
+        engine = TorchTrainEngine(model, lr=1e-6, compile=compile == "layers", compute_dtype=compute_dtype)
         engine.shared_prefix = engine.shared_prefix and shared_prefix
 
         def grpo_step():
@@ -152,7 +156,9 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
             opt.zero_grad(set_to_none=True)
             for s in range(0, B, rows_per_micro):
                 x = dev_ids[s : s + rows_per_micro]
-                (model(input_ids=x, labels=x, use_cache=False).loss * len(x) / B).backward()  # no KV cache in training
+                with mixed_precision(device, compute_dtype):
+                    loss = model(input_ids=x, labels=x, use_cache=False).loss
+                (loss * len(x) / B).backward()  # no KV cache in training
             opt.step()
 
         steps_to_time = ([("train: causal-LM CE step" + suffix, ce_step)] if ce else []) + [("train: flyroll GRPO step" + suffix, grpo_step)]
@@ -245,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                          "plain forwards) and a variant compiling only MLPs and norms, and with prompts shared by "
                          "groups of 8 samples at 50%% and 75%% prompt (eager with and without the shared prefix, "
                          "the MLP variant, training.compile); first steps (the compile) timed apart")
+    ap.add_argument("--quick", action="store_true", help="only the first training shape (both steps), no generation rows")
+    ap.add_argument("--mixed", action="store_true",
+                    help="float32 parameters and AdamW state with bf16 autocast forwards (what placement.actor_train.dtype "
+                         "bfloat16 runs, engines/devices.py) instead of all parameters in bf16; generation rows then run float32")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
 
@@ -260,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device = torch.device("cuda")
         shape, train_shapes, gen_shapes, warmup, steps, gen_steps = QWEN25_05B, TRAIN_SHAPES, GEN_SHAPES, 2, args.steps, args.gen_steps
+    if args.quick:
+        train_shapes, gen_shapes = train_shapes[:1], []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute_dtype = None
+    if args.mixed:  # the pipeline's training path: float32 weights and AdamW state, bf16 autocast forwards
+        dtype, compute_dtype = torch.float32, torch.bfloat16
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops(name, args.peak_tflops) if device.type == "cuda" else None
     t_start = time.perf_counter()
@@ -269,15 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     N = n_params(model)
     import transformers
 
-    print(f"device {name}, torch {torch.__version__}, transformers {transformers.__version__}, {dtype}, "
+    precision = f"{dtype} weights" + (f", {compute_dtype} autocast" if compute_dtype is not None else "")
+    print(f"device {name}, torch {torch.__version__}, transformers {transformers.__version__}, {precision}, "
           f"model {'Qwen2.5-0.5B shape' if not args.smoke else 'smoke'} random init, N = {N / 1e6:.1f}M parameters, "
           f"peak bf16 {peak or '?'} TFLOP/s (datasheet), measured 8192^3 bf16 matmul "
           f"{f'{measured:.0f}' if measured else '?'} TFLOP/s", flush=True)
-    rows = train_rows(model, train_shapes, device, warmup, steps, args.micro_tokens)
+    rows = train_rows(model, train_shapes, device, warmup, steps, args.micro_tokens, compute_dtype=compute_dtype)
     if device.type == "cuda":
         print(f"peak GPU memory in training: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
     model.eval()
-    for gen_shape, compiled in [*((s, False) for s in gen_shapes), (gen_shapes[-1], True)]:
+    for gen_shape, compiled in [*((s, False) for s in gen_shapes), *((gen_shapes[-1], True) for _ in gen_shapes[-1:])]:
         rows.append(isolated("generate: HF engine" + (", compiled decode" if compiled else ""), "x".join(map(str, gen_shape)),
                              lambda: generation_row(model, gen_shape, device, gen_steps, compiled)))
     if args.compile:  # last: generation above ran the eager layers
@@ -313,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(generation MFU uses 2N FLOPs per generated token; total {time.perf_counter() - t_start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "params": N, "peak_tflops": peak, "measured_matmul_tflops": measured, "rows": rows,
+            json.dump({"device": name, "precision": precision, "params": N, "peak_tflops": peak, "measured_matmul_tflops": measured, "rows": rows,
                        "failed": failed}, f, indent=1)
     return 1 if failed else 0
 

@@ -37,6 +37,12 @@ class TokenBatch:
     def select(self, idx) -> "TokenBatch":
         return TokenBatch(*(t[idx] for t in (self.input_ids, self.attention_mask, self.position_ids, self.responses, self.response_mask)))
 
+    def to(self, device: torch.device) -> "TokenBatch":
+        """The same batch on `device` (itself when it is there already)."""
+        if self.input_ids.device == device:
+            return self
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids, self.responses, self.response_mask)))
+
     @property
     def prompt_width(self) -> int:
         return self.input_ids.shape[1] - self.responses.shape[1]
@@ -147,13 +153,19 @@ def _response_logits(model, batch: TokenBatch, shared_prefix: bool) -> torch.Ten
 
 
 def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
-                      shared_prefix: bool = True):
+                      shared_prefix: bool = True, autocast_dtype: torch.dtype | None = None):
     """Per-token log-probs [B, T] of the responses under `model` (and entropy [B, T] if asked, else
-    None). `shared_prefix=False` runs every row's prompt (for wrappers that allow one forward per
-    backward). The [B, T, V] logits are the model's own output and nobody else holds them, so the
-    log-softmax (and later its gradient) is written over them (`token_logprobs_and_entropy`'s
-    `overwrite`)."""
-    logits = response_logits(model, batch, shared_prefix).float()            # [B, T, V]
+    None), always float32: a bf16 model's logits are cast to float32 before the log-softmax (as verl
+    does). `autocast_dtype` (bf16 training, engines/devices.py): the model's forward runs under
+    torch.autocast in it, the log-softmax outside. `shared_prefix=False` runs every row's prompt (for
+    wrappers that allow one forward per backward). The [B, T, V] logits are the model's own output
+    (or their float32 copy) and nobody else holds them, so the log-softmax (and later its gradient)
+    is written over them (`token_logprobs_and_entropy`'s `overwrite`)."""
+    from engines.devices import mixed_precision
+
+    with mixed_precision(batch.input_ids.device, autocast_dtype):
+        logits = response_logits(model, batch, shared_prefix)
+    logits = logits.float()                                                   # [B, T, V]
     return token_logprobs_and_entropy(logits, batch.responses, temperature, with_entropy, overwrite=True)
 
 
@@ -245,11 +257,14 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
 
 @torch.no_grad()
 def batched_logprobs(model, batch: TokenBatch, micro_batch: int = 64, temperature: float = 1.0) -> torch.Tensor:
-    """`response_logprobs` in micro-batches without grad; [B, T]. (Rows of one prompt are adjacent in
-    a rollout table, so a micro-batch usually holds whole groups and shares their prefix.)"""
+    """`response_logprobs` in micro-batches without grad; [B, T] float32 on the batch's device. Each
+    micro-batch runs on the model's device (a bf16 model on CUDA: float32 log-probs back on CPU).
+    (Rows of one prompt are adjacent in a rollout table, so a micro-batch usually holds whole groups
+    and shares their prefix.)"""
     model.eval()
+    device = next(model.parameters()).device
     parts = []
     for s in range(0, batch.input_ids.shape[0], micro_batch):
-        logp, _ = response_logprobs(model, batch.select(slice(s, s + micro_batch)), temperature)
-        parts.append(logp)
+        logp, _ = response_logprobs(model, batch.select(slice(s, s + micro_batch)).to(device), temperature)
+        parts.append(logp.to(batch.input_ids.device))
     return torch.cat(parts) * batch.response_mask

@@ -40,7 +40,8 @@ class ValueModel(nn.Module):
         """Values [B, P+T]: one scalar per position (the value of the state that ends there)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state                  # [B, P+T, H]
-        return self.value_head(hidden.float()).squeeze(-1)                         # [B, P+T]
+        with torch.autocast(hidden.device.type, enabled=False):                    # the head in its own dtype, under bf16 autocast too
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [B, P+T]
 
 
 def critic_from_policy(policy_dir: str, dtype: torch.dtype = torch.float32) -> ValueModel:
@@ -82,18 +83,25 @@ def critic_for_checkpoint(model_dir: str) -> ValueModel:
     return load_critic(sub) if os.path.isfile(os.path.join(sub, _WEIGHTS)) else critic_from_policy(model_dir)
 
 
-def response_values(critic: ValueModel, batch: TokenBatch) -> torch.Tensor:
-    """V(s_t) [B, T] for each response token t: the value at the position before it (P+t-1), the
-    state the policy saw when it sampled t (verl's layout)."""
+def response_values(critic: ValueModel, batch: TokenBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """V(s_t) [B, T] float32 for each response token t: the value at the position before it (P+t-1),
+    the state the policy saw when it sampled t (verl's layout). `autocast_dtype` (bf16 training,
+    engines/devices.py): the backbone runs under torch.autocast in it; the value head does not."""
+    from engines.devices import mixed_precision
+
     P, T = batch.prompt_width, batch.responses.shape[1]
-    values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)     # [B, P+T]
+    with mixed_precision(batch.input_ids.device, autocast_dtype):
+        values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)  # [B, P+T]
     return values[:, P - 1 : P + T - 1]                                            # [B, T]
 
 
 @torch.no_grad()
-def batched_values(critic: ValueModel, batch: TokenBatch, micro_batch: int = 64) -> torch.Tensor:
-    """`response_values` in micro-batches without grad, zero on padding; [B, T]."""
+def batched_values(critic: ValueModel, batch: TokenBatch, micro_batch: int = 64,
+                   autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`response_values` in micro-batches without grad, zero on padding; [B, T] float32 on the
+    batch's device (each micro-batch runs on the critic's, under `autocast_dtype` as in training)."""
     critic.eval()
-    parts = [response_values(critic, batch.select(slice(s, s + micro_batch)))
+    device = next(critic.parameters()).device
+    parts = [response_values(critic, batch.select(slice(s, s + micro_batch)).to(device), autocast_dtype).to(batch.input_ids.device)
              for s in range(0, batch.input_ids.shape[0], micro_batch)]
     return torch.cat(parts) * batch.response_mask

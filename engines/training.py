@@ -11,6 +11,11 @@ with its own AdamW and learning rate.
 Both engines run on any training strategy (`engines/strategies.py`: torch, ddp, fsdp2, DeepSpeed
 ZeRO-2/3): the strategy wraps the model and optimizer; with N ranks each rank trains on its shard of
 every mini-batch with the same global normalisers, so the update equals the single-process one.
+
+Precision (`compute_dtype`, config `placement.actor_train.dtype` / `placement.critic.dtype`): the
+model's parameters stay as given (float32: the master weights, and AdamW's state with them) and
+with bfloat16 each forward runs under torch.autocast (engines/devices.py); log-probs, the loss and
+the values are float32.
 """
 
 from __future__ import annotations
@@ -235,8 +240,12 @@ class _PPOEngine:
     mini-batches, each split into micro-batches by token count, one optimizer step per mini-batch."""
 
     def __init__(self, module, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
-                 warmup_steps: int, total_steps: int | None, min_lr_ratio: float, strategy: TrainStrategy | None):
+                 warmup_steps: int, total_steps: int | None, min_lr_ratio: float, strategy: TrainStrategy | None,
+                 compute_dtype: torch.dtype | None = None):
+        from engines.devices import autocast_dtype
+
         self.grad_clip = grad_clip
+        self.autocast_dtype = None if compute_dtype is None else autocast_dtype(compute_dtype)  # None: plain forwards
         self.strategy = strategy or TorchStrategy()
         self.module, self.optimizer = self.strategy.prepare(module, _adamw(lr, weight_decay, betas), grad_clip)
         self.scheduler = _lr_schedule(self.optimizer, warmup_steps, total_steps, min_lr_ratio)
@@ -309,12 +318,16 @@ class TorchTrainEngine(_PPOEngine):
         min_lr_ratio: float = 0.1,
         strategy: TrainStrategy | None = None,
         compile: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ):
-        """`model` is the plain module (saved as the checkpoint); `self.module` is what the strategy
-        wrapped it into (forward goes through it). `compile`: `compile_decoder_layers` first."""
+        """`model` is the plain module (saved as the checkpoint), already on its device; `self.module`
+        is what the strategy wrapped it into (forward goes through it). `compile`:
+        `compile_decoder_layers` first. `compute_dtype` bfloat16/float16: forwards under autocast in
+        it, parameters and optimizer state left in their dtype (float32 master weights)."""
         self.model = model
         self.compiled = compile_decoder_layers(model) if compile else []
-        super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
+        super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy,
+                         compute_dtype)
         # the tied embedding's gradient added into .grad in place, where the strategy lets a backward do that
         self.tied_embedding_in_place = self.strategy.grads_in_place and tied_embedding_grad_in_place(model)
         # a KV cache through compiled layers recompiles per layer: plain forwards then
@@ -354,7 +367,8 @@ class TorchTrainEngine(_PPOEngine):
                 self.strategy.device, sub, None if old_logprobs is None else old_logprobs[idx, :t],
                 None if ref_logprobs is None else ref_logprobs[idx, :t],
                 advantages[idx, :t], None if rollout_logprobs is None else rollout_logprobs[idx, :t])
-            logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True, shared_prefix=shared)
+            logp, entropy = response_logprobs(self.module, sub, temperature, with_entropy=True, shared_prefix=shared,
+                                              autocast_dtype=self.autocast_dtype)
             if old is None:
                 old = logp.detach()
             loss, m = actor_loss(cfg, logp, old, ref, adv, sub.response_mask, entropy=entropy, num_tokens=num_tokens,
@@ -387,9 +401,10 @@ class TorchCriticEngine(_PPOEngine):
 
     def __init__(self, critic, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  grad_clip: float = 1.0, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.1,
-                 strategy: TrainStrategy | None = None):
+                 strategy: TrainStrategy | None = None, compute_dtype: torch.dtype | None = None):
         self.critic = critic
-        super().__init__(critic, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy)
+        super().__init__(critic, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy,
+                         compute_dtype)
 
     def train_step(
         self,
@@ -407,7 +422,7 @@ class TorchCriticEngine(_PPOEngine):
 
         def micro_loss(sub, idx, t, num_tokens, num_seqs, _ran):
             sub, old, ret = _to(self.strategy.device, sub, old_values[idx, :t], returns[idx, :t])
-            values = response_values(self.module, sub)                      # [b, t]
+            values = response_values(self.module, sub, self.autocast_dtype)  # [b, t]
             return critic_loss(cfg, values, old, ret, sub.response_mask, num_tokens=num_tokens, num_seqs=num_seqs)
 
         metrics, _, grad_norm, _, _ = self._updates(batch, cfg.ppo_epochs, mini_batch_size, max_tokens_per_micro_batch,

@@ -18,7 +18,7 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from infra.ray_session import actor_pool, is_local_execution
-from infra.resources import actor_options_for, ray_job, task_resources
+from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
@@ -34,7 +34,8 @@ CHECKPOINT_SCRATCH_PREFIX = "flyroll-ckpt-"
 def train_workers(cfg, run_id: str) -> list:
     """The run's TrainWorker actors; with a distributed strategy, joined into one process group."""
     t = cfg.training
-    workers = actor_pool(TrainWorker, "training", t.num_workers, run_id, {"threads": cfg.run.torch_threads},
+    workers = actor_pool(TrainWorker, "training", t.num_workers, run_id,
+                         {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
                          actor_options_for(cfg, "actor_train", is_local_execution()))
     if t.strategy != "torch":
         address = ray.get(workers[0].rendezvous.remote())

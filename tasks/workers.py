@@ -24,12 +24,25 @@ def _engine_process(n: int) -> None:
     keep_freed_memory()
 
 
+def _placed(devices: dict | None, role: str):
+    """(torch device, torch dtype) of placement role `role` from the resolved `devices`
+    ({role: (device, dtype)}, infra.resources.role_devices); cpu / float32 when not given."""
+    from engines.devices import torch_device, torch_dtype
+
+    device, dtype = (devices or {}).get(role, ("cpu", "float32"))
+    return torch_device(device, role), torch_dtype(dtype)
+
+
 def generation_worker_kwargs(cfg) -> dict:
     """GenerationWorker's constructor arguments from a FlyrollConfig (the same for every task that
     creates the run's generation actors)."""
-    r = cfg.rollout
+    from infra.resources import role_devices
+
+    r, devices = cfg.rollout, role_devices(cfg, "actor_infer")
     return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine, "compile_decode": r.hf_compile_decode,
-            "pack_weights": r.hf_pack_weights, "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed} if r.engine == "vllm" else {}}
+            "pack_weights": r.hf_pack_weights, "devices": devices,
+            "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed, "dtype": devices["actor_infer"][1]}
+            if r.engine == "vllm" else {}}
 
 
 @ray.remote
@@ -40,8 +53,11 @@ class GenerationWorker:
     Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
-                 compile_decode: bool = False, pack_weights: bool = False):
+                 compile_decode: bool = False, pack_weights: bool = False, devices: dict | None = None):
+        """`devices`: {"actor_infer": (device, dtype)} (hf: the weights are cast to the dtype and moved
+        to the device; vllm gets the dtype through `vllm_options`); None = cpu, float32."""
         _engine_process(threads)
+        self.devices = devices
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
         self.compile_decode, self.pack_weights = compile_decode, pack_weights
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
@@ -71,10 +87,13 @@ class GenerationWorker:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             tokenizer = load_tokenizer(model_dir)
             return VLLMGenerationEngine(model_dir, tokenizer=tokenizer, **self.vllm_options), tokenizer
+        from engines.devices import place_model
         from engines.generation import HFGenerationEngine
         from engines.modeling import load_policy
 
-        model, tokenizer = load_policy(model_dir)
+        device, dtype = _placed(self.devices, "actor_infer")
+        model, tokenizer = load_policy(model_dir, dtype=dtype)
+        model = place_model(model, device, dtype)  # later in-place updates cast to it (update_weights)
         return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode,
                                   pack_weights=self.pack_weights), tokenizer
 
@@ -100,17 +119,19 @@ class GenerationWorker:
         return run_episodes(self.engine, self.tokenizer, env_name, seeds, group_size=group_size, max_turns=max_turns,
                             max_context_tokens=max_context_tokens, sampling=params, env_kwargs=env_kwargs, chat=chat)
 
-    def evaluate(self, table, max_new_tokens: int, chat: bool):
-        from engines.evaluation import evaluate
+    def eval_responses(self, table, max_new_tokens: int, chat: bool):
+        """Greedy responses to the eval table (engines/evaluation.py); the eval task scores them."""
+        from engines.evaluation import generate_responses
 
-        return evaluate(self.engine, self.tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=chat)
+        return generate_responses(self.engine, self.tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=chat)
 
 
 @ray.remote
 class RewardWorker:
-    """Scores samples with the domain's reward function, each call isolated (timeout, exceptions).
-    Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model
-    this actor builds once, on first use, and keeps (engines/rewards/models.py)."""
+    """Scores samples with the reward routed to them (engines/rewards/routing.py: reward.functions,
+    metadata.reward_fn, the domain), each call isolated (timeout, exceptions). Domains routed to a
+    model reward (`judge`, `reward_model`) are scored in batches by a model this actor builds once,
+    on first use, and keeps (engines/rewards/models.py)."""
 
     def __init__(self, threads: int = 4):
         from engines.rewards.models import ModelRewards
@@ -123,33 +144,9 @@ class RewardWorker:
         """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck.
         routes: domain -> reward function name (config `reward.functions`); models: model reward
         name -> its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
-        from engines.rewards import get_reward, score_isolated
-        from engines.rewards.models import MODEL_REWARDS
+        from engines.rewards.routing import score_samples
 
-        out: list = [None] * len(items)
-        batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
-        hung_any = False
-        for i, (domain, response, sample) in enumerate(items):
-            meta = sample.get("metadata") if isinstance(sample.get("metadata"), dict) else {}
-            name = (routes or {}).get(domain) or meta.get("reward_fn") or domain
-            if name in MODEL_REWARDS:
-                batched.setdefault(name, []).append(i)
-                continue
-            try:
-                fn = get_reward(name)
-            except KeyError as e:
-                out[i] = (0.0, str(e))
-                continue
-            res, hung = score_isolated(fn, response, sample, timeout_s, self.pool)
-            hung_any |= hung
-            out[i] = (res.reward, res.error)
-        for name, idx in batched.items():
-            results, hung = self.model_rewards.score(name, (models or {}).get(name), [items[i][1] for i in idx],
-                                                     [items[i][2] for i in idx])
-            hung_any |= hung
-            for i, res in zip(idx, results):
-                out[i] = res
-        return out, hung_any
+        return score_samples(items, timeout_s, routes, models, self.pool, self.model_rewards)
 
     def model_stats(self) -> dict[str, dict[str, int]]:
         """Per model reward: builds (model loads), calls (batched calls) and samples scored so far."""
@@ -161,8 +158,12 @@ class ReferenceWorker:
     """Reference-model log-probs, the current policy's (old) log-probs and, for PPO with GAE, the
     current critic's values, on the rollout tokens."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, devices: dict | None = None):
+        """`devices`: {"reference": (device, dtype), "critic": (device, dtype)}: the policy and
+        reference models are cast to the reference role's dtype on its device; the critic keeps its
+        float32 weights there and runs under autocast in the critic's dtype, as it trains. None = cpu, float32."""
         _engine_process(threads)
+        self.devices = devices
         self.models: dict[str, tuple] = {}  # which ("reference"/"policy"/"critic") -> (key, model)
         self.pad = 0  # the tokenizer's pad id once a policy is loaded (padding is masked: any id works)
 
@@ -177,10 +178,15 @@ class ReferenceWorker:
         if which == "critic":  # its weights (and the policy's, for a fresh one), not the optimizer state
             from engines.critic_model import critic_for_checkpoint
 
-            self.models[which] = (key, critic_for_checkpoint(fetch_cached(spec, key, skip=(TRAINER_STATE,))).eval())
+            device, _ = _placed(self.devices, "reference")
+            critic = critic_for_checkpoint(fetch_cached(spec, key, skip=(TRAINER_STATE,)))
+            self.models[which] = (key, critic.to(device).eval())
             return
-        model, tok = load_policy(fetch_cached(spec, key, skip=TRAINING_ONLY))
-        self.models[which] = (key, model.eval())
+        from engines.devices import place_model
+
+        device, dtype = _placed(self.devices, "reference")
+        model, tok = load_policy(fetch_cached(spec, key, skip=TRAINING_ONLY), dtype=dtype)
+        self.models[which] = (key, place_model(model, device, dtype).eval())
         self.pad = tok.pad_token_id
 
     def pad_id(self) -> int:
@@ -199,7 +205,10 @@ class ReferenceWorker:
         from engines.critic_model import batched_values
 
         batch = collate(prompt_ids, response_ids, pad_id)
-        v = batched_values(self.models["critic"][1], batch, micro_batch=micro_batch)
+        from engines.devices import autocast_dtype, torch_dtype
+
+        critic_dtype = torch_dtype((self.devices or {}).get("critic", ("cpu", "float32"))[1])  # on the reference device
+        v = batched_values(self.models["critic"][1], batch, micro_batch=micro_batch, autocast_dtype=autocast_dtype(critic_dtype))
         return [v[i, : len(r)].tolist() for i, r in enumerate(response_ids)]
 
 
@@ -213,8 +222,11 @@ class TrainWorker:
     (`rendezvous` on rank 0, then `join_group` on all) and every call below is made on all N with
     the same arguments: each trains on its shard of every mini-batch, rank 0 returns the checkpoint."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, devices: dict | None = None):
+        """`devices`: {"actor_train": (device, dtype), "critic": (device, dtype)}: float32 weights and
+        AdamW state on the device, forwards under autocast in the dtype (engines/devices.py). None = cpu, float32."""
         _engine_process(threads)
+        self.devices = devices
         self.key, self.model, self.tokenizer, self.engine = None, None, None, None
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None
@@ -249,14 +261,16 @@ class TrainWorker:
         from tasks.common import TRAINER_STATE, fetch_cached
 
         model_dir = fetch_cached(spec, key)
-        self.model, self.tokenizer = load_policy(model_dir)
+        device, dtype = _placed(self.devices, "actor_train")
+        self.model, self.tokenizer = load_policy(model_dir)  # float32: the master weights
+        self.model.to(device)
         strategy = training_cfg.get("strategy", "torch")
         opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
                    warmup_steps=training_cfg["warmup_steps"])
         self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy),
-                                       compile=training_cfg.get("compile", False), **opt)
+                                       compile=training_cfg.get("compile", False), compute_dtype=dtype, **opt)
         path = os.path.join(model_dir, TRAINER_STATE)
-        state = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
         if not state and key.startswith("runs/"):  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions keep "
                   "it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
@@ -267,8 +281,9 @@ class TrainWorker:
         if (algorithm_cfg or {}).get("advantage") == "gae":
             from engines.critic_model import critic_for_checkpoint
 
-            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir), lr=algorithm_cfg["critic_lr"],
-                                                   strategy=make_strategy(strategy), **opt)
+            critic_device, critic_dtype = _placed(self.devices, "critic")
+            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir).to(critic_device), lr=algorithm_cfg["critic_lr"],
+                                                   strategy=make_strategy(strategy), compute_dtype=critic_dtype, **opt)
             if "critic" in state:
                 self.critic_engine.load_state_dict(state["critic"])
         self.key = key

@@ -221,7 +221,7 @@ def test_config_accepts_engine_vllm():
 
     cfg = load_config(REPO / "configs/tiny.yaml", {"rollout.engine": "vllm", "rollout.vllm_kv_cache_gb": 2})
     kwargs = generation_worker_kwargs(cfg)
-    assert kwargs["engine"] == "vllm" and kwargs["vllm_options"] == {"kv_cache_gb": 2.0, "seed": cfg.run.seed}
+    assert kwargs["engine"] == "vllm" and kwargs["vllm_options"] == {"kv_cache_gb": 2.0, "seed": cfg.run.seed, "dtype": "float32"}
 
 
 @pytest.mark.parametrize("engine_name", ["hf", pytest.param("vllm", marks=needs_vllm)])

@@ -27,16 +27,27 @@ MODEL_REWARDS = ("judge", "reward_model")
 BatchScorer = Callable[[list[str], list[dict]], list[tuple[float, str | None]]]
 
 
+def _placement(options: dict):
+    """(torch device, torch dtype) of the reward role from `options` ("device"/"dtype" strings the
+    scoring task adds, infra.resources.role_devices); cpu / float32 without them."""
+    from engines.devices import torch_device, torch_dtype
+
+    return torch_device(options.get("device", "cpu"), "reward"), torch_dtype(options.get("dtype", "float32"))
+
+
 def build_judge(options: dict) -> BatchScorer:
-    """The judge of `reward.judge` options: its causal LM in an `hf` generation engine."""
+    """The judge of `reward.judge` options: its causal LM in an `hf` generation engine, cast to the
+    reward role's dtype on its device."""
+    from engines.devices import place_model
     from engines.generation import HFGenerationEngine
     from engines.modeling import load_policy
     from engines.rewards.judge import DEFAULT_RUBRIC, JudgeReward
     from engines.rewards.reward_model import local_model_dir
 
+    device, dtype = _placement(options)
     with local_model_dir(options["model"]) as path:
-        model, tokenizer = load_policy(path)
-    engine = HFGenerationEngine(model, tokenizer, micro_batch=options["batch_size"])
+        model, tokenizer = load_policy(path, dtype=dtype)
+    engine = HFGenerationEngine(place_model(model, device, dtype), tokenizer, micro_batch=options["batch_size"])
     judge = JudgeReward(engine, tokenizer, options.get("rubric") or DEFAULT_RUBRIC, options["max_new_tokens"],
                         scale=options["scale"], max_prompt_tokens=options.get("max_prompt_tokens"),
                         use_chat_template=options.get("apply_chat_template"))
@@ -47,7 +58,9 @@ def build_reward_model(options: dict) -> BatchScorer:
     """The reward model of `reward.reward_model` options, scoring sample["prompt"] + response."""
     from engines.rewards.reward_model import RewardModelScorer
 
-    scorer = RewardModelScorer(options["model"], batch_size=options["batch_size"], normalize=options["normalize"],
+    device, dtype = _placement(options)
+    scorer = RewardModelScorer(options["model"], batch_size=options["batch_size"], device=str(device), dtype=dtype,
+                               normalize=options["normalize"],
                                shift=options["shift"], scale=options["scale"], label_index=options["label_index"],
                                max_length=options.get("max_length"), use_chat_template=options.get("apply_chat_template"))
 
