@@ -29,32 +29,7 @@ from engines.sandbox import isolation, run_program
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _sandbox_pids() -> set[int]:
-    """Live processes that belong to some sandbox run: a sandbox uid or a flyroll-sbx- cwd."""
-    pids = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/status") as f:
-                st = f.read()
-            if "State:\tZ" in st:
-                continue
-            uid = int(next(ln for ln in st.splitlines() if ln.startswith("Uid:")).split()[1])
-            cwd = os.readlink(f"/proc/{d}/cwd")
-        except (OSError, StopIteration, ValueError):
-            continue
-        if uid >= 1 << 30 or "flyroll-sbx-" in cwd:
-            pids.add(int(d))
-    return pids
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    before = _sandbox_pids()
-    yield
-    leftover = _sandbox_pids() - before
-    assert not leftover, f"sandbox processes survived: {leftover}"
+from tests.sandbox_procs import no_leftovers, sandbox_pids  # noqa: E402,F401 -- autouse fixture
 
 
 needs_fs_view = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -146,7 +121,7 @@ def test_libc_socket_cannot_reach_a_host_listener():
     assert hits == []
 
 
-def test_libc_double_fork_daemon_does_not_survive_the_run():
+def test_libc_double_fork_daemon_does_not_survive_the_run(no_leftovers):
     if not isolation().pidns:
         pytest.skip(f"no PID namespace on this host (mode {isolation().mode})")
     code = LIBC + textwrap.dedent("""
@@ -164,9 +139,9 @@ def test_libc_double_fork_daemon_does_not_survive_the_run():
     """)
     v = run_program(code, timeout_s=5, audit_hook=False)
     assert v.verdict == "passed" and v.stdout == "parent done\n", v
-    # the autouse fixture checks that no sandbox-uid process is alive; a second look later:
+    # the autouse fixture checks that no process of this run's uid is alive; a second look later:
     time.sleep(0.5)
-    assert not _sandbox_pids()
+    assert no_leftovers and not sandbox_pids(no_leftovers)
 
 
 def test_native_code_cannot_forge_a_pass():
