@@ -261,9 +261,10 @@ class AlgorithmConfig(BaseModel):
     )
     max_generation_rounds: int = Field(
         4, ge=1, le=100,
-        description="Dynamic sampling: the most generation calls per iteration, the rollout's own "
-        "included (DAPO's max_num_gen_batches). Each refill samples prompts_per_iteration new "
-        "prompts; when the cap is hit the batch trains on the groups it has. filter_groups only.",
+        description="Dynamic sampling: the prompt budget per iteration, in batches (DAPO's "
+        "max_num_gen_batches): the rollout scheduler (engines/scheduler.py) samples at most "
+        "prompts_per_iteration * max_generation_rounds prompts, the rollout's own batch included; "
+        "when it is spent the batch trains on the groups it has. filter_groups only.",
     )
 
     @field_validator("advantage")

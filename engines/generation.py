@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Completion:
     sample_index: int               # 0..n-1
     token_ids: list[int]            # response tokens, EOS included when generated
     logprobs: list[float]           # behaviour log-prob of each token, under the sampling distribution
-    finish_reason: str              # "stop" (EOS or stop string) | "length"
+    finish_reason: str              # "stop" (EOS or stop string) | "length" | "abort" (cut by an abort event)
     text: str = field(default="")
 
 
@@ -47,6 +48,18 @@ class GenerationEngine(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
     def load_weights(self, model_dir: str) -> None: ...
+
+
+class AbortOnEvent(StoppingCriteria):
+    """Stops every row of a `generate` call once `event` is set, checked between decode steps, so an
+    aborted request frees its engine after at most one more step (engines/scheduler.py aborts the
+    requests it no longer needs this way)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class InverseCDFSampler(LogitsProcessor):
@@ -243,15 +256,22 @@ class HFGenerationEngine:
             own[name].copy_(tensor)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 abort: threading.Event | None = None) -> list[Completion]:
+        """Completions of every prompt. `abort`: once set (from another thread), decoding stops after the
+        current step and the micro-batches not started are skipped; the rows cut short end with
+        finish_reason "abort" (the caller discards them)."""
         out: list[Completion] = []
         packed: dict = {}  # MKL-packed weights for this call's chunks; freed when it returns
         for start in range(0, len(prompt_token_ids), self.micro_batch):
+            if abort is not None and abort.is_set():
+                break
             chunk = prompt_token_ids[start : start + self.micro_batch]
-            out.extend(self._generate_chunk(chunk, params, offset=start, packed=packed))
+            out.extend(self._generate_chunk(chunk, params, offset=start, packed=packed, abort=abort))
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int, packed: dict) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams, offset: int, packed: dict,
+                        abort: threading.Event | None = None) -> list[Completion]:
         tok = self.tokenizer
         pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
         width = max(len(p) for p in prompts)
@@ -290,6 +310,7 @@ class HFGenerationEngine:
                 stop_strings=list(params.stop) or None,
                 tokenizer=tok if params.stop else None,
                 disable_compile=not self.compile_decode,  # (else transformers compiles the forward on GPUs for a static cache)
+                stopping_criteria=StoppingCriteriaList([AbortOnEvent(abort)]) if abort is not None else None,
             )[:, width:]                                                      # [B*n, T]
         logp = recorder.stacked(seqs.shape[1])                                # [B*n, T]
         completions = []
@@ -303,6 +324,8 @@ class HFGenerationEngine:
                     if any(s in tok.decode(ids[:k], skip_special_tokens=True) for s in params.stop):
                         end, finish = k, "stop"
                         break
+            if finish == "length" and end < params.max_new_tokens and abort is not None and abort.is_set():
+                finish = "abort"
             text = tok.decode(ids[:end], skip_special_tokens=True)
             completions.append(
                 Completion(

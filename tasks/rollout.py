@@ -1,9 +1,11 @@
 """Rollout: sample G responses for each of B prompts with the current policy, in generation actors.
 
-With dynamic sampling (`algorithm.filter_groups`, DAPO) this task also scores its samples and
-refills the batch (tasks/scoring.py `score_batch`): refills need the generation actors, and they
-live here, on the Ray cluster sized for them (infra/resources.py `hosted_roles`). The table then
-leaves this task scored, and the scoring task passes it through."""
+With dynamic sampling (`algorithm.filter_groups`, DAPO) this task runs the rollout scheduler
+(engines/scheduler.py, through tasks/scoring.py `dynamic_sampling`): chunks of prompts go to the
+generation actors (`RayGeneration`), each generated group to the reward workers at once, and the
+batch fills with groups that pass the filters. That needs the generation actors, and they live
+here, on the Ray cluster sized for them (infra/resources.py `hosted_roles`). The table then leaves
+this task scored, and the scoring task passes it through."""
 
 from __future__ import annotations
 
@@ -48,19 +50,67 @@ def sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: 
                             max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
     shards = np.array_split(np.arange(len(ids)), len(workers))
     futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
-    extra = [c for c in ("answer", "tests", "metadata") if c in prompts.columns]
     rows = []
     for shard, completions in zip(shards, ray.get(futures)):
-        for c in completions:
-            p = prompts.iloc[int(shard[c.prompt_index])]
-            rows.append({
-                "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
-                "domain": p["domain"], "prompt": p["prompt"], **{k: p[k] for k in extra},
-                "prompt_token_ids": ids[int(shard[c.prompt_index])], "response": c.text,
-                "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
-                "finish_reason": c.finish_reason, "policy_version": version,
-            })
+        part = [prompts.iloc[int(i)] for i in shard]
+        rows.extend(r for group in completion_rows(part, [ids[int(i)] for i in shard], completions, version, iteration) for r in group)
     return encode_nested(pd.DataFrame(rows))  # tests/metadata as JSON text through parquet
+
+
+def completion_rows(prompts: list, ids: list[list[int]], completions: list, version: int, iteration: int) -> list[list[dict]]:
+    """One list of sample rows (ROLLOUT_COLUMNS plus the prompt's `answer`, `tests`, `metadata`) per
+    prompt of `prompts` (prompt-table rows), from the engine's `completions` of their token `ids`."""
+    groups: list[list[dict]] = [[] for _ in prompts]
+    for c in completions:
+        p = prompts[c.prompt_index]
+        groups[c.prompt_index].append({
+            "prompt_id": p["prompt_id"], "group_id": f"{iteration}:{p['prompt_id']}", "sample_id": c.sample_index,
+            "domain": p["domain"], "prompt": p["prompt"], **{k: p[k] for k in ("answer", "tests", "metadata") if k in p.index},
+            "prompt_token_ids": ids[c.prompt_index], "response": c.text,
+            "response_token_ids": c.token_ids, "behaviour_logprobs": c.logprobs,
+            "finish_reason": c.finish_reason, "policy_version": version,
+        })
+    return groups
+
+
+class RayGeneration:
+    """engines/scheduler.py `GenerationSide` over the generation actors: each chunk goes to an idle
+    actor (encode, then generate; run at most len(workers) chunks in flight), seeded by `seed` and its
+    chunk number. `abort` is `ray.cancel`: it drops a chunk that has not started, but an actor runs
+    one call at a time and has no abort entry point, so a chunk already generating runs to its end
+    and its result is discarded (HFGenerationEngine's abort event is not reachable through Ray yet)."""
+
+    def __init__(self, spec: RunSpec, workers: list, version: int, iteration: int, seed: int):
+        from engines.generation import SamplingParams
+
+        cfg = config_of(spec)
+        r = cfg.rollout
+        self.chat, self.version, self.iteration, self.seed = cfg.model.apply_chat_template, version, iteration, seed
+        self.params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                     max_new_tokens=r.max_new_tokens, stop=tuple(r.stop))
+        self.idle, self.busy, self.chunks = list(workers), {}, 0
+
+    def submit(self, prompts: list):
+        from dataclasses import replace
+
+        w = self.idle.pop(0)  # the scheduler keeps at most len(workers) chunks in flight
+        ids = w.encode.remote([p["prompt"] for p in prompts], self.chat)
+        ref = w.generate.remote(ids, replace(self.params, seed=self.seed + 50_021 * self.chunks))
+        self.busy[ref] = (self.chunks, w, ids, prompts)
+        self.chunks += 1
+        return ref
+
+    def ready(self, handles: list, timeout: float) -> list:
+        return ray.wait(handles, num_returns=len(handles), timeout=timeout)[0]
+
+    def result(self, ref) -> list[list[dict]]:
+        _, w, ids, prompts = self.busy.pop(ref)
+        self.idle.append(w)
+        return completion_rows(prompts, ray.get(ids), ray.get(ref), self.version, self.iteration)
+
+    def abort(self, ref) -> None:
+        ray.cancel(ref)
+        self.busy.pop(ref, None)
 
 
 def read_table(spec: RunSpec, key: str) -> pd.DataFrame:
@@ -92,7 +142,8 @@ def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
     """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
-    `algorithm.filter_groups` also scored (reward, reward_error) and refilled to B informative groups."""
+    `algorithm.filter_groups` also scored (reward, reward_error), B groups that pass the filters
+    (fewer when the prompt budget runs out; see tasks/scoring.py `dynamic_sampling`)."""
     cfg = config_of(spec)
     r = cfg.rollout
     metrics: dict[str, float] = {}
@@ -106,9 +157,15 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
         else:
             prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
         workers = generation_pool(spec, policy)
-        df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
-        if not cfg.algorithm.filter_groups:
-            ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
+        if cfg.algorithm.filter_groups:  # DAPO: scheduler over these actors and the reward workers (scored table)
+            from tasks.scoring import dynamic_sampling
+
+            df, m = dynamic_sampling(spec, RayGeneration(spec, workers, policy.version, iteration,
+                                                         cfg.run.seed * 100_003 + iteration), prompts, train, iteration)
+            metrics.update(m)
+        else:
+            df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
+        ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
         lengths = df["response_token_ids"].map(len)
         metrics.update({
             "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),
@@ -120,9 +177,4 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
     from infra import tracking
 
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, {"rollout/tokens_per_s": metrics_tps}, step=iteration)
-    if cfg.algorithm.filter_groups:  # DAPO: score, keep informative groups, refill with these actors
-        from tasks.scoring import score_batch
-
-        df = score_batch(spec, df, iteration, refill=(workers, train))  # logs as the scoring stage
-        ray.get([w.sleep.remote() for w in workers])
     return df

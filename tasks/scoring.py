@@ -1,15 +1,17 @@
 """Scoring: verifiable rewards per domain in reward-worker actors; a broken reward costs one sample.
 
-With dynamic sampling (`algorithm.filter_groups`, DAPO arXiv 2503.14476) the stage also drops the
-groups whose rewards are all equal (zero group-relative advantage) and refills the batch: it samples
-groups for further prompts with the rollout's generation actors, scores them and keeps the informative
-ones, until it has `rollout.prompts_per_iteration` groups or has made
-`algorithm.max_generation_rounds` generation calls (the rollout's included); then it trains on what
-it has (on the unfiltered batch when no group at all is informative). Refill prompts are drawn
-with the rollout's `data.domain_weights` when they are set (`refill_prompts`). Refills run where
-generation runs: the rollout task calls `score_batch` with its own actors (its Ray cluster is the
-one sized for them; a generation actor created here would ask the scoring cluster for a GPU it does
-not have), logging it as this stage, and the `score` task passes the scored table through.
+With dynamic sampling (`algorithm.filter_groups`, DAPO arXiv 2503.14476) the rollout task runs the
+rollout scheduler (engines/scheduler.py) through `dynamic_sampling`: chunks of prompts go to its
+generation actors, each generated group goes to these reward workers at once (`RayRewards`), and
+the groups that fail the filters (`group_filters`: all rewards equal; with `mask_truncated`, all
+samples truncated; with a difficulty band, mean reward outside it) are dropped, until the batch
+holds `rollout.prompts_per_iteration` kept groups or the prompt budget,
+`prompts_per_iteration * algorithm.max_generation_rounds` prompts, is spent; then it trains on what
+it has (on the first scored groups, unfiltered, when none passes). Prompts after the rollout's own
+batch are drawn by `refill_prompts` (with `data.domain_weights` when they are set). This runs
+where generation runs, in the rollout task (its Ray cluster is the one sized for the generation
+actors; one created here would ask the scoring cluster for a GPU it does not have), and the
+`score` task passes the scored table through.
 
 Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model each
 reward worker loads once (engines/rewards/models.py).
@@ -80,18 +82,6 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     return rewards, errors
 
 
-def informative_groups(cfg, df: pd.DataFrame) -> list:
-    """group_ids that `objective.select_groups` keeps (rewards not all equal), in order of appearance."""
-    import torch
-
-    from engines.algorithms.objective import select_groups
-
-    codes, _ = pd.factorize(df["group_id"])
-    keep, _ = select_groups(cfg.algorithm, torch.as_tensor(df["reward"].to_numpy(dtype=np.float32)),
-                            torch.as_tensor(codes, dtype=torch.long))
-    return list(dict.fromkeys(df["group_id"][keep.numpy()]))
-
-
 def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
     rewards, errors = score_table(spec, df)
     df = df.copy()
@@ -101,8 +91,8 @@ def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
 
 
 def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int) -> pd.DataFrame:
-    """Candidate prompts for a refill of `iteration` after `round_` generation rounds (1 = the
-    rollout's only, so the first refill): a fresh draw mixed by
+    """Candidate prompts for the `round_`-th refill draw of `iteration` (1 = the first, after the
+    rollout's own batch; see `prompt_stream`): a fresh draw mixed by
     `data.domain_weights` (per-domain quotas, as the rollout draws its batch) when weights are set,
     else a slice of a per-round reshuffle of the train split. The caller drops prompts already used
     this iteration, so the kept mix can differ from the weights by those."""
@@ -116,73 +106,145 @@ def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int
     return iteration_prompts(train, n, iteration, cfg.run.seed + 7919 * round_)
 
 
-def dynamic_sampling(spec: RunSpec, df: pd.DataFrame, iteration: int,
-                     refill: tuple[list, pd.DataFrame] | None) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Keep informative groups of the scored `df`, refilling with new prompts (see module doc).
-    `refill`: (generation actors serving the policy that sampled `df`, the train prompt table);
-    None = no refills (the groups of `df` only)."""
-    from tasks.rollout import sample_groups
+class RayRewards:
+    """engines/scheduler.py `RewardSide` over the reward workers: one `RewardWorker.score` call per
+    group, round-robin over `reward.num_workers` actors, each sample's call isolated (timeout,
+    exception -> 0 and flagged). A group whose worker crashes is re-scored by `score_table` (one by
+    one in fresh workers). `abort` is `ray.cancel`: a call already running finishes (each sample
+    bounded by `reward.timeout_s`). `close` replaces workers left holding a hung call."""
+
+    def __init__(self, spec: RunSpec, role: str = "reward"):
+        cfg = config_of(spec)
+        device, dtype = role_devices(cfg, "reward")["reward"]
+        models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
+                  "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
+        self.spec, self.role, self.n = spec, role, cfg.reward.num_workers
+        self.args = (cfg.reward.timeout_s, dict(cfg.reward.functions), models)
+        self.opts = actor_options_for(cfg, "reward", is_local_execution())
+        self.workers = actor_pool(RewardWorker, role, self.n, spec.run_id, {}, self.opts)
+        self.rows, self.calls, self.hung, self.aborted = {}, 0, False, []
+
+    def submit(self, rows: list[dict]):
+        keep = ("prompt", "answer", "domain", "tests", "metadata")
+        items = [(r["domain"], r["response"], {k: r[k] for k in keep if k in r}) for r in rows]
+        ref = self.workers[self.calls % len(self.workers)].score.remote(items, *self.args)
+        self.rows[ref], self.calls = rows, self.calls + 1
+        return ref
+
+    def ready(self, handles: list, timeout: float) -> list:
+        return ray.wait(handles, num_returns=len(handles), timeout=timeout)[0]
+
+    def result(self, ref) -> list[tuple[float, str | None]]:
+        from engines.datasets import encode_nested
+
+        rows = self.rows.pop(ref)
+        try:
+            results, hung = ray.get(ref)
+            self.hung |= hung
+            return results
+        except ray.exceptions.RayActorError:
+            console.print(f"[yellow]a reward worker died; re-scoring its group of {len(rows)} one by one[/]")
+            kill_pool(self.role, self.n, self.spec.run_id)
+            self.workers = actor_pool(RewardWorker, self.role, self.n, self.spec.run_id, {}, self.opts)
+            rewards, errors = score_table(self.spec, encode_nested(pd.DataFrame(rows)), role=f"{self.role}-retry")
+            return list(zip(rewards, errors))
+
+    def abort(self, ref) -> None:
+        ray.cancel(ref)
+        self.rows.pop(ref, None)
+        self.aborted.append(ref)
+
+    def close(self) -> None:
+        """Replace the workers when a call was left holding a hung reward (aborted calls that have
+        finished by now included; one still running is left to end within its timeouts)."""
+        done = ray.wait(self.aborted, num_returns=len(self.aborted), timeout=0)[0] if self.aborted else []
+        for ref in done:
+            try:
+                self.hung |= ray.get(ref)[1]
+            except (ray.exceptions.TaskCancelledError, ray.exceptions.RayError):
+                pass
+        if self.hung:
+            kill_pool(self.role, self.n, self.spec.run_id)
+
+
+def prompt_stream(cfg, first: pd.DataFrame, train: pd.DataFrame, iteration: int):
+    """Prompt-table rows for the scheduler: the rollout's own batch, then `max_generation_rounds - 1`
+    refill draws (`refill_prompts`), each prompt at most once per iteration (group ids stay unique)."""
+    used: set = set()
+    for round_ in range(cfg.algorithm.max_generation_rounds):
+        batch = first if round_ == 0 else refill_prompts(cfg, train, cfg.rollout.prompts_per_iteration, iteration, round_)
+        for _, p in batch.iterrows():
+            if p["prompt_id"] not in used:
+                used.add(p["prompt_id"])
+                yield p
+
+
+def dynamic_sampling(spec: RunSpec, generation, prompts: pd.DataFrame, train: pd.DataFrame,
+                     iteration: int) -> tuple[pd.DataFrame, dict[str, float]]:
+    """The scored table of up to `rollout.prompts_per_iteration` groups that pass `group_filters`,
+    and its metrics (module doc). `generation`: a `GenerationSide` (tasks/rollout.py `RayGeneration`)
+    serving the policy; `prompts`: the rollout's own batch; `train`: the split refills draw from.
+    `reward/*` metrics describe every scored sample, kept or dropped."""
+    from engines.datasets import encode_nested
+    from engines.scheduler import DROPPED, RolloutScheduler, group_filters
 
     cfg = config_of(spec)
-    want, rounds, max_rounds = cfg.rollout.prompts_per_iteration, 1, cfg.algorithm.max_generation_rounds
-    seen = df["group_id"].nunique()
-    parts = [df[df["group_id"].isin(informative_groups(cfg, df))]]
-    kept = parts[0]["group_id"].nunique()
-    if kept < want and rounds < max_rounds and refill is not None:
-        workers, train = refill
-        used = set(df["prompt_id"])
-        while kept < want and rounds < max_rounds:
-            prompts = refill_prompts(cfg, train, want, iteration, rounds)
-            prompts = prompts[~prompts["prompt_id"].isin(used)].drop_duplicates("prompt_id")
-            used |= set(prompts["prompt_id"])
-            rounds += 1
-            if prompts.empty:
-                continue
-            more = _scored(spec, sample_groups(spec, workers, prompts, int(df["policy_version"].iloc[0]), iteration,
-                                                cfg.run.seed * 100_003 + iteration + 50_021 * rounds))
-            seen += more["group_id"].nunique()
-            parts.append(more[more["group_id"].isin(informative_groups(cfg, more))])
-            kept += parts[-1]["group_id"].nunique()
-    out = pd.concat(parts, ignore_index=True)
-    groups = list(dict.fromkeys(out["group_id"]))[:want]
-    out = out[out["group_id"].isin(groups)].reset_index(drop=True)
-    if out.empty:
-        console.print(f"[yellow]dynamic sampling: no informative group in {rounds} generation rounds; training on the unfiltered batch[/]")
-        out = df
-    metrics = {"dynamic_sampling/kept_groups": float(len(groups)), "dynamic_sampling/dropped_groups": float(seen - kept),
-               "dynamic_sampling/generation_rounds": float(rounds), "dynamic_sampling/samples": float(len(out))}
-    return out, metrics
+    want, workers = cfg.rollout.prompts_per_iteration, cfg.rollout.num_workers
+    rewards = RayRewards(spec)
+    try:
+        result = RolloutScheduler(generation, rewards, group_filters(cfg.algorithm), want=want,
+                                  max_prompts=want * cfg.algorithm.max_generation_rounds,
+                                  chunk_size=-(-want // workers), max_chunks_in_flight=workers).run(
+            prompt_stream(cfg, prompts, train, iteration))
+    finally:
+        rewards.close()
+    groups = result.kept
+    if not groups:
+        console.print("[yellow]dynamic sampling: no group passed the filters within the prompt budget; training on "
+                      "the first scored groups, unfiltered[/]")
+        groups = [g for g in result.groups if g.status == DROPPED][:want]
+
+    def table(gs) -> pd.DataFrame:
+        rows = [{**r, "reward": x, "reward_error": e} for g in gs for r, x, e in zip(g.rows, g.rewards, g.errors)]
+        df = encode_nested(pd.DataFrame(rows))
+        df["reward_error"] = pd.Series([r["reward_error"] for r in rows], index=df.index, dtype=object)
+        return df
+
+    metrics = {**reward_metrics(table([g for g in result.groups if g.rewards])), **result.metrics(want)}
+    return table(groups), metrics
 
 
-def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int,
-                refill: tuple[list, pd.DataFrame] | None = None) -> pd.DataFrame:
-    """The scoring stage: rewards for every row, reward/* metrics of these samples and, with
-    `algorithm.filter_groups`, dynamic sampling (`refill`: see `dynamic_sampling`)."""
+def reward_metrics(df: pd.DataFrame) -> dict[str, float]:
+    """reward/* metrics of a scored table: mean, accuracy, errors, per domain, all-equal groups."""
+    metrics: dict[str, float] = {}
+    rewards = df["reward"].tolist()
+    metrics["reward/mean"] = float(np.mean(rewards))
+    metrics["reward/errors"] = float(df["reward_error"].notna().sum())
+    metrics["reward/accuracy"] = float(np.mean([r >= 1.0 for r in rewards]))
+    for domain, grp in df.groupby("domain"):
+        metrics[f"reward/{domain}/mean"] = float(grp["reward"].mean())
+        metrics[f"reward/{domain}/accuracy"] = float((grp["reward"] >= 1.0).mean())
+        metrics[f"reward/{domain}/errors"] = float(grp["reward_error"].notna().sum())  # e.g. judge failures
+        metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
+    solved = df.groupby("group_id")["reward"].agg(["min", "max"])
+    metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
+    return metrics
+
+
+def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
+    """The scoring stage: rewards for every row and the reward/* metrics of these samples."""
     check_columns(batch, "rollout")
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
         df = _scored(spec, batch)
-        rewards = df["reward"].tolist()
-        metrics["reward/mean"] = float(np.mean(rewards))
-        metrics["reward/errors"] = float(df["reward_error"].notna().sum())
-        metrics["reward/accuracy"] = float(np.mean([r >= 1.0 for r in rewards]))
-        for domain, grp in df.groupby("domain"):
-            metrics[f"reward/{domain}/mean"] = float(grp["reward"].mean())
-            metrics[f"reward/{domain}/accuracy"] = float((grp["reward"] >= 1.0).mean())
-            metrics[f"reward/{domain}/errors"] = float(grp["reward_error"].notna().sum())  # e.g. judge failures
-            metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
-        solved = df.groupby("group_id")["reward"].agg(["min", "max"])
-        metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
-        if config_of(spec).algorithm.filter_groups:  # reward/* above describe the rollout's own samples
-            df, m = dynamic_sampling(spec, df, iteration, refill)
-            metrics.update(m)
+        metrics.update(reward_metrics(df))
     return df
 
 
 @task(task_config=ray_job("scoring"), **task_resources("scoring"))
 def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
     """Adds `reward` and `reward_error` to every row. A table that already has them was scored
-    (and, with `algorithm.filter_groups`, refilled) by the rollout task: it passes through as is."""
+    (with `algorithm.filter_groups`, by the rollout task's scheduler): it passes through as is."""
     if "reward" in batch.columns:
         check_columns(batch, "rollout", "scoring")
         return batch

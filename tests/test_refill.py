@@ -1,4 +1,5 @@
-"""DAPO dynamic-sampling refills (tasks/scoring.py `refill_prompts`) draw with `data.domain_weights`."""
+"""DAPO dynamic sampling: refill draws (tasks/scoring.py `refill_prompts`) follow `data.domain_weights`, and the
+rollout scheduler (engines/scheduler.py) runs in the rollout task over the Ray actors."""
 
 from __future__ import annotations
 
@@ -78,5 +79,41 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     assert ("scoring", "generation") not in created, created
     assert {role for task, role in created if task == "rollout"} == {"generation", "reward"}, created
     rounds = tracking.client(spec.tracking_uri).get_metric_history(spec.mlflow_run_id, "dynamic_sampling/generation_rounds")
-    assert [m.value for m in rounds] == [2.0]  # the rollout task refilled once, then hit the cap
+    assert [m.value for m in rounds] == [2.0]  # the scheduler spent its budget: 2 x prompts_per_iteration prompts
     assert list(scored["reward"]) == list(batch["reward"]) == [1.0] * 4  # nothing informative: the unfiltered batch
+
+
+def test_the_rollout_scheduler_keeps_exactly_the_batch_through_ray(tmp_path, monkeypatch, tiny_model_dir):
+    """DAPO through the real rollout task with a reward that varies within groups (tests/test_scheduler.py
+    `parity`): the scheduler over the Ray generation actors and reward workers returns exactly
+    prompts_per_iteration groups, each with differing rewards, and logs its metrics."""
+    import yaml
+
+    import tasks.rollout
+    from infra import tracking
+    from infra.ray_session import shutdown
+    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tests.test_workflow import REPO
+
+    raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
+    raw["run"]["output_dir"] = str(tmp_path / "runs")
+    raw["model"] = {"path": tiny_model_dir}
+    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3)
+    raw["reward"]["functions"] = {"arithmetic": "tests.test_scheduler:parity", "reverse": "tests.test_scheduler:parity"}
+    raw["algorithm"] = {"filter_groups": True, "max_generation_rounds": 8, "kl_coef": 0.0}
+    (tmp_path / "dapo.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    spec, model_spec = prepare_run(config=str(tmp_path / "dapo.yaml"), restart=False)
+    dataset = make_dataset(spec=spec)
+    try:
+        batch = tasks.rollout.rollout(spec=spec, policy=build_base_policy(model_spec), dataset=dataset, iteration=1)
+    finally:
+        shutdown()
+    assert batch["group_id"].nunique() == 3 and len(batch) == 6
+    assert (batch.groupby("group_id")["reward"].nunique() == 2).all()
+    client = tracking.client(spec.tracking_uri)
+    for key in ("dynamic_sampling/kept_groups", "dynamic_sampling/generation_rounds", "rollout/aborted_requests",
+                "rollout/generated_tokens_per_kept_sample"):
+        assert len(client.get_metric_history(spec.mlflow_run_id, key)) == 1, key
+    (kept,) = client.get_metric_history(spec.mlflow_run_id, "dynamic_sampling/kept_groups")
+    assert kept.value == 3.0
