@@ -154,6 +154,16 @@ class RewardConfig(_Section):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward model (InstructGPT, arXiv 2203.02155) for domains routed to 'reward_model': a sequence-classification model scores prompt + response in batches.")
 
 
+class LoraConfig(_Section):
+    """LoRA for the actor (Hu et al. 2021, arXiv 2106.09685; engines/lora.py): the base weights stay
+    frozen and the update trains a low-rank delta (alpha / rank) * B @ A on each target Linear."""
+
+    rank: int = Field(0, ge=0, le=4096, description="LoRA rank r; 0 = off (full fine-tuning). Trade-off: the optimizer state and gradients shrink to the adapters' (r*(in+out) per target instead of in*out), at the cost of a rank-limited update that learns less per step than a full one (arXiv 2106.09685). Needs peft (pip install 'flyroll[lora]'). The published checkpoint is the merged full model, so generation and evaluation need no change.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the delta is scaled by alpha / rank, so changing the rank keeps the update's size about the same at a fixed learning rate.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input during training (peft lora_dropout). 0 keeps the update deterministic.")
+    target_modules: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1, description="Last name components of the Linear modules that get adapters; the default is the attention and MLP projections of Qwen2/Llama/Mistral-style models. A name that matches no Linear of the model is refused when the trainer loads it. Fewer targets = fewer trainable parameters and less capacity (the paper adapted q_proj and v_proj only).")
+
+
 class TrainingConfig(_Section):
     lr: float = Field(1e-3, gt=0, le=1.0, description="Actor learning rate (AdamW). Tiny models tolerate 1e-3; 1e-6..1e-5 for real LLMs.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -163,6 +173,8 @@ class TrainingConfig(_Section):
     max_tokens_per_micro_batch: int = Field(8192, ge=16, description="Padded tokens per forward/backward (gradient accumulation by token count). Memory knob only; the update does not depend on it.")
     strategy: Literal["torch", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field("torch", description="How the actor (and critic) are trained across `num_workers` processes (engines/strategies.py): 'torch' = one process, no wrapping (the default, fastest for tiny models); 'ddp' = DistributedDataParallel, a full replica per worker, gradients all-reduced; 'fsdp2' = torch fully_shard (ZeRO-3-like: parameters, gradients and optimizer state sharded, parameters gathered per block in each forward); 'deepspeed_zero2' / 'deepspeed_zero3' = DeepSpeed ZeRO stage 2 (optimizer state + gradients sharded) / 3 (parameters too), needs the `deepspeed` extra. Same config, same data, same losses up to float rounding; sharding trades communication for memory.")
     compile: bool = Field(False, description="torch.compile each of the actor's decoder layers for the update (engines/training.py compile_decoder_layers; for GPUs; strategy 'torch' only). The update then runs every row's prompt (a KV cache through compiled layers recompiles per layer, so no shared prefix). On an H200 the GRPO step of a Qwen2.5-0.5B shape went from 27.8% to 39.0% MFU, and beat the eager shared-prefix update on groups of 8 samples by 1.28-1.48x (docs/benchmarks.md). The first update compiles (a few seconds there). Keep it off on CPU: on 2 cores a SmolLM2-shaped update took 12.8 s compiled against 14.0 s eager with plain forwards and 8.9 s with the default shared prefix.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters for the actor instead of full fine-tuning (rank 0 = off). The critic is always fully trained.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face gradient_checkpointing_enable, non-reentrant) for the actor. Trade-off: activation memory drops from every layer's to about one layer's, for roughly one more forward per micro-batch (~30% more compute); the update then runs every row's prompt (no shared prefix).")
     num_workers: int = Field(1, ge=1, le=256, description="Training worker processes (Ray actors forming one torch.distributed group: gloo on CPU, NCCL on GPU). Each trains on its shard of every mini-batch with the global token normaliser, so the update equals the one-process update. >1 needs a distributed strategy (not 'torch').")
 
 
@@ -245,6 +257,14 @@ class FlyrollConfig(_Section):
         if self.training.compile and self.training.strategy != "torch":
             raise ValueError(f"training.compile is only built for strategy 'torch' (one process); with "
                              f"{self.training.strategy!r} set training.compile: false")
+        if self.training.lora.rank and self.training.strategy not in ("torch", "ddp"):
+            raise ValueError(f"training.lora.rank={self.training.lora.rank} is built for strategies 'torch' and 'ddp' only; "
+                             f"with {self.training.strategy!r} set training.lora.rank: 0")
+        if self.training.lora.rank:
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError(f"training.lora.rank={self.training.lora.rank} needs peft, which is not installed: pip install 'flyroll[lora]'")
         if self.training.strategy.startswith("deepspeed"):
             import importlib.util
 

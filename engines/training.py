@@ -12,6 +12,11 @@ Both engines run on any training strategy (`engines/strategies.py`: torch, ddp, 
 ZeRO-2/3): the strategy wraps the model and optimizer; with N ranks each rank trains on its shard of
 every mini-batch with the same global normalisers, so the update equals the single-process one.
 
+LoRA (config `training.lora`, engines/lora.py): the actor's model is wrapped by peft, only the
+adapters train and hold AdamW state; `checkpoint_state_dict` gives the merged plain weights to publish
+and `state_dict` carries the adapter weights for an exact resume. `gradient_checkpointing`: the
+actor's decoder layers are recomputed in the backward (less activation memory, ~one more forward).
+
 Precision (`compute_dtype`, config `placement.actor_train.dtype` / `placement.critic.dtype`): the
 model's parameters stay as given (float32: the master weights, and AdamW's state with them) and
 with bfloat16 each forward runs under torch.autocast (engines/devices.py); log-probs, the loss and
@@ -33,6 +38,11 @@ from engines.algorithms.registry import get_policy_loss
 from engines.batching import TokenBatch, prompt_groups, response_logprobs
 from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shard
 
+
+# non-reentrant (frozen LoRA inputs need no requires_grad trick); the recompute's metadata check is off: the
+# 4-D attention mask a layer saves is a broadcast view whose recomputed twin differs in stride/shape
+# ([b, 1, T, T] vs [b, heads, T, T]) though its values are the same (tests/test_lora.py: same update)
+_CHECKPOINT_KWARGS = {"use_reentrant": False, "determinism_check": "none"}
 
 _SHARE_METRICS = {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss"}
 
@@ -139,6 +149,7 @@ def _adamw(lr, weight_decay, betas):
     from torch.distributed.tensor import DTensor
 
     def make(params):
+        params = [p for p in params if p.requires_grad]  # LoRA: the adapters only (the frozen base gets no state)
         fused = all(type(p) is not DTensor and p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused or None)
 
@@ -319,19 +330,68 @@ class TorchTrainEngine(_PPOEngine):
         strategy: TrainStrategy | None = None,
         compile: bool = False,
         compute_dtype: torch.dtype | None = None,
+        lora: dict | None = None,
+        gradient_checkpointing: bool = False,
     ):
-        """`model` is the plain module (saved as the checkpoint), already on its device; `self.module`
-        is what the strategy wrapped it into (forward goes through it). `compile`:
+        """`model` is the plain module, already on its device; `self.model` is it or, with `lora`
+        ({rank, alpha, dropout, target_modules}, rank > 0), its peft wrapper (engines/lora.py: only the
+        adapters train, AdamW holds their state only); `self.module` is what the strategy wrapped that
+        into (forward goes through it); `checkpoint_state_dict` is what to save. `compile`:
         `compile_decoder_layers` first. `compute_dtype` bfloat16/float16: forwards under autocast in
-        it, parameters and optimizer state left in their dtype (float32 master weights)."""
-        self.model = model
+        it, parameters and optimizer state left in their dtype (float32 master weights).
+        `gradient_checkpointing`: each decoder layer recomputed in the backward (non-reentrant)."""
+        if lora and lora.get("rank", 0) > 0:
+            from engines.lora import apply_lora
+
+            model = apply_lora(model, lora["rank"], lora["alpha"], lora.get("dropout", 0.0), tuple(lora["target_modules"]))
+        if gradient_checkpointing:
+            from engines.lora import plain_model
+
+            hf = plain_model(model)
+            if hasattr(hf, "activation_checkpointing_enable"):  # its name from transformers 5.2x
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=_CHECKPOINT_KWARGS)
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=_CHECKPOINT_KWARGS)
+        self.model, self.gradient_checkpointing = model, gradient_checkpointing
         self.compiled = compile_decoder_layers(model) if compile else []
         super().__init__(model, lr, weight_decay, betas, grad_clip, warmup_steps, total_steps, min_lr_ratio, strategy,
                          compute_dtype)
         # the tied embedding's gradient added into .grad in place, where the strategy lets a backward do that
         self.tied_embedding_in_place = self.strategy.grads_in_place and tied_embedding_grad_in_place(model)
-        # a KV cache through compiled layers recompiles per layer: plain forwards then
-        self.shared_prefix = self.strategy.shared_prefix and not compile
+        # a KV cache through compiled layers recompiles per layer, and checkpointed layers build none: plain forwards then
+        self.shared_prefix = self.strategy.shared_prefix and not compile and not gradient_checkpointing
+
+    @property
+    def lora(self) -> bool:
+        from engines.lora import is_lora
+
+        return is_lora(self.model)
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective. The weights to publish as the plain Hugging Face model (save with
+        `engines.lora.plain_model(self.model)`): with LoRA the merged W + (alpha/r)·B@A per target
+        (engines/lora.py), else the strategy's full state dict (None: the module's own is complete)."""
+        if self.lora:
+            from engines.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
+        return self.strategy.full_state_dict()
+
+    def state_dict(self) -> dict:
+        """Optimizer and LR schedule and, with LoRA, the adapter weights (`lora_adapter`)."""
+        state = super().state_dict()
+        if self.lora:
+            from engines.lora import adapter_state_dict
+
+            state["lora_adapter"] = adapter_state_dict(self.model)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.lora and "lora_adapter" in state:
+            from engines.lora import load_adapter_state_dict
+
+            load_adapter_state_dict(self.model, state["lora_adapter"])
+        super().load_state_dict(state)
 
     def train_step(
         self,

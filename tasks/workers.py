@@ -258,23 +258,32 @@ class TrainWorker:
         from engines.rl_step import AlgorithmState
         from engines.strategies import make_strategy
         from engines.training import TorchCriticEngine, TorchTrainEngine
-        from tasks.common import TRAINER_STATE, fetch_cached
+        from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
 
         model_dir = fetch_cached(spec, key)
         device, dtype = _placed(self.devices, "actor_train")
-        self.model, self.tokenizer = load_policy(model_dir)  # float32: the master weights
+        path = os.path.join(model_dir, TRAINER_STATE)
+        state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
+        lora = training_cfg.get("lora") or {}
+        resume_lora = bool(lora.get("rank")) and "lora_adapter" in state and "lora_base" in state
+        # LoRA: the adapters sit on the frozen base they started from (the merged checkpoint is for generation)
+        self.lora_base = state["lora_base"] if resume_lora else key
+        base_dir = fetch_cached(spec, self.lora_base, skip=TRAINING_ONLY) if resume_lora else model_dir
+        self.model, self.tokenizer = load_policy(base_dir)  # float32: the master weights
         self.model.to(device)
         strategy = training_cfg.get("strategy", "torch")
         opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
                    warmup_steps=training_cfg["warmup_steps"])
         self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy),
-                                       compile=training_cfg.get("compile", False), compute_dtype=dtype, **opt)
-        path = os.path.join(model_dir, TRAINER_STATE)
-        state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
+                                       compile=training_cfg.get("compile", False), compute_dtype=dtype, lora=lora,
+                                       gradient_checkpointing=training_cfg.get("gradient_checkpointing", False), **opt)
         if not state and key.startswith("runs/"):  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions keep "
                   "it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
-        if state:  # resume optimizer moments and LR schedule
+        if state and self.engine.lora != ("lora_adapter" in state):  # the other mode's optimizer state does not fit
+            print(f"flyroll: policy {key}'s {TRAINER_STATE} was written {'with' if 'lora_adapter' in state else 'without'} "
+                  "LoRA and training.lora says otherwise: the optimizer moments and LR schedule start afresh", flush=True)
+        elif state:  # resume optimizer moments and LR schedule (and the LoRA adapters)
             self.engine.load_state_dict(state)
         self.algo_state = AlgorithmState.from_dict(state.get("algorithm"))
         self.critic_engine = None
@@ -305,6 +314,7 @@ class TrainWorker:
 
         from configs.algorithm import AlgorithmConfig
         from engines.critic_model import CRITIC_SUBDIR, save_critic
+        from engines.lora import plain_model
         from engines.modeling import save_policy
         from engines.rl_step import prepare_update, table_to_batch, token_column
         from tasks.common import TRAINER_STATE
@@ -330,7 +340,9 @@ class TrainWorker:
         self.key = next_key  # what weight_sync will publish these weights as
         # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
         trainer_state = {**self.engine.state_dict(), "algorithm": update.state.to_dict()}
-        weights = self.engine.strategy.full_state_dict()
+        if self.engine.lora:  # the frozen base's key: a resume loads it and puts the adapters back on it
+            trainer_state["lora_base"] = self.lora_base
+        weights = self.engine.checkpoint_state_dict()  # LoRA: merged into plain weights
         critic_weights = None
         if self.critic_engine is not None:
             trainer_state["critic"] = self.critic_engine.state_dict()
@@ -339,7 +351,7 @@ class TrainWorker:
             return metrics, {}
 
         def save(d: str) -> None:
-            save_policy(self.model, self.tokenizer, d, state_dict=weights)
+            save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)
             if self.critic_engine is not None:
                 save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
             torch.save(trainer_state, os.path.join(d, TRAINER_STATE))
