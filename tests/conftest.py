@@ -48,11 +48,28 @@ def _group(item) -> str:
     return "smollm2" if module in SMOLLM2_MODULES else module
 
 
+def _suffix_group(item) -> None:
+    """Give the node id the `@group` suffix xdist's scheduler groups by. xdist 3.8 adds it by setting
+    `item._nodeid`, which pytest 9 no longer reads (a node id is `str(item._id)`), so under pytest 9
+    every test would be its own unit; set it where pytest 9 keeps it."""
+    if "@" in item.nodeid.rpartition("]")[2]:
+        return
+    suffixed = f"{item.nodeid}@{_group(item)}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(suffixed)
+    else:
+        item._nodeid = suffixed
+
+
 def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "numprocesses", None):
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers under --dist loadgroup
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(_group(item)))
+        _suffix_group(item)
     rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: file order within a rank
+
