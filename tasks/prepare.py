@@ -222,7 +222,9 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     from engines.pretrain import supervised_finetune
     from engines.synthetic import make_problems, teacher_demonstration
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from tasks.workers import capped_threads
+
+    torch.set_num_threads(capped_threads(os.cpu_count() or 1))
     b = m["bootstrap"]
     model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"], seed=spec["seed"])
     if spec.get("env"):  # agentic: pre-train on scripted-solver episodes of the environment

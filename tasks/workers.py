@@ -13,14 +13,22 @@ import os
 import ray
 
 
+def capped_threads(n: int) -> int:
+    """`n`, capped by the env var FLYROLL_MAX_TORCH_THREADS when it is set."""
+    cap = os.environ.get("FLYROLL_MAX_TORCH_THREADS")
+    return max(1, min(n, int(cap))) if cap else max(1, n)
+
+
 def _engine_process(n: int) -> None:
-    """An engine actor's process set-up: `n` torch threads, and freed memory kept for reuse
-    (engines/host_memory.py: no page faults on every large tensor of every step)."""
+    """An engine actor's process set-up: `n` torch threads (at most FLYROLL_MAX_TORCH_THREADS when set:
+    several runs sharing a box, e.g. the test suite's workers, would otherwise oversubscribe its
+    cores), and freed memory kept for reuse (engines/host_memory.py: no page faults on every large
+    tensor of every step)."""
     import torch
 
     from engines.host_memory import keep_freed_memory
 
-    torch.set_num_threads(n)
+    torch.set_num_threads(capped_threads(n))
     keep_freed_memory()
 
 

@@ -43,7 +43,7 @@ def test_cuda_without_a_gpu_says_to_use_cpu():
     assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr and "--device cpu" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # ~4 min on 2 cores: the whole script shrunk, kept out of every CI run (pytest -m nightly)
 def test_cpu_run_exercises_every_step(tmp_path):
     """~3-4 min on 2 cores: the MFU smoke (mixed precision), the HF generation timing and weight sync,
     and a 1-iteration pyflyte run with actor_train, actor_infer and reference in bfloat16 on CPU."""
