@@ -89,10 +89,12 @@ def test_every_iteration_checkpoint_and_rollout_table_is_on_s3_with_a_valid_mani
         for rel, entry in m["files"].items():
             body = c.get_object(Bucket=bucket, Key=f"{key}/{rel}")["Body"].read()
             assert len(body) == entry["size"] and hashlib.sha256(body).hexdigest() == entry["sha256"], (key, rel)
-    for i, key in enumerate(rollouts, start=1):  # a rollout table names the policy that sampled it
-        m = _manifest(c, bucket, key)
+    base = _manifest(c, bucket, policies[0])["parents"][0]  # v0001's parent: the base model, also the KL reference
+    for i, key in enumerate(rollouts, start=1):  # a rollout table names the policy that sampled it, then the
+        m = _manifest(c, bucket, key)             # reference its ref_logprobs came from when that is another model
         assert m["kind"] == "rollout" and m["metadata"]["iteration"] == i
-        assert m["parents"] == [_manifest(c, bucket, policies[0])["parents"][0] if i == 1 else policies[i - 2][len(root) + 1:]]
+        sampler = base if i == 1 else policies[i - 2][len(root) + 1:]
+        assert m["parents"] == [sampler] + ([] if sampler == base else [base])
     m2 = _manifest(c, bucket, policies[1])
     assert m2["parents"] == [policies[0][len(root) + 1:]] and m2["metadata"]["rollout_table"] == rollouts[1][len(root) + 1:]
 
