@@ -11,6 +11,7 @@ killed attempt is not logged twice -- and exactly one child run per iteration.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -46,10 +47,10 @@ def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None
 
 
 def pausing_starts_with_digit(response: str, sample: dict) -> float:
-    """The e2e reward; the first call after $FLYROLL_TEST_PAUSE_AFTER exists creates
-    $FLYROLL_TEST_PAUSED and sleeps (the test kills the run meanwhile)."""
+    """The e2e reward; the first call after a file matching the glob $FLYROLL_TEST_PAUSE_AFTER exists
+    creates $FLYROLL_TEST_PAUSED and sleeps (the test kills the run meanwhile)."""
     after, marker = os.environ.get("FLYROLL_TEST_PAUSE_AFTER"), os.environ.get("FLYROLL_TEST_PAUSED")
-    if after and marker and os.path.exists(after):
+    if after and marker and glob.glob(after, recursive=True):
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
             time.sleep(45)
@@ -83,7 +84,9 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
     tracking_uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     paused = tmp_path / "paused"
     env = {**_env(tmp_path), "FLYROLL_TEST_PAUSED": str(paused),
-           "FLYROLL_TEST_PAUSE_AFTER": f"{store.root}/runs/{run_id}/policy/v0002/MANIFEST.json"}
+           # evaluation scores with the training reward too: pause after iteration 2's evaluation has
+           # logged its table (runs/mlartifacts/.../eval/v0002.csv), i.e. in iteration 3's scoring
+           "FLYROLL_TEST_PAUSE_AFTER": f"{tmp_path}/runs/mlartifacts/**/eval/v0002.csv"}
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     known: dict[int, psutil.Process] = {}
