@@ -109,7 +109,8 @@ class Isolation:
         """The prefix for one run; with bwrap it binds `workdir` (the only writable host path)."""
         if not self.fs_view:
             return list(self.prefix)
-        return [*self.prefix, *_bwrap_hide_home(), "--bind", workdir, workdir, "--chdir", workdir, "--"]
+        return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--bind", workdir, workdir,
+                "--chdir", workdir, "--"]
 
 
 _NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
@@ -146,6 +147,17 @@ def _bwrap_hide_home() -> list[str]:
             out += ["--tmpfs", p]
         elif os.path.exists(p):
             out += ["--ro-bind", "/dev/null", p]
+    return out
+
+
+def _bwrap_show_interpreter() -> list[str]:
+    """Bind the interpreter's install read-only back over the private /tmp and /dev/shm when it lives
+    there (a virtual environment in a checkout under /tmp); otherwise the sandbox could not start it."""
+    out: list[str] = []
+    for p in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))}):
+        if any(p == d or p.startswith(d + os.sep) for d in ("/tmp", "/dev/shm")) and p not in ("/tmp", "/dev/shm"):
+            if not any(p.startswith(q + os.sep) for q in out[1::3]):
+                out += ["--ro-bind", p, p]
     return out
 
 

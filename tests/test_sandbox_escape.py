@@ -32,12 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 from tests.sandbox_procs import no_leftovers, sandbox_pids  # noqa: E402,F401 -- autouse fixture
 
 
-# the bubblewrap layer needs `bwrap`, and an interpreter outside /tmp (its /tmp is a private tmpfs, so
-# a venv under /tmp is hidden from the sandbox: isolation() then warns once and falls back)
+# the bubblewrap layer needs a working `bwrap` (isolation() logs why when its probe fails)
 needs_fs_view = pytest.mark.skipif(
     shutil.which("bwrap") is None or not isolation().fs_view,
-    reason="no bubblewrap layer on this host (bwrap missing, or the interpreter lives under /tmp, which the "
-           "sandbox's private /tmp hides; isolation() logged which); bash infra/test.sh installs bwrap")
+    reason="no bubblewrap layer on this host (bwrap missing or its probe failed; isolation() logged "
+           "which); bash infra/test.sh installs bwrap")
 
 LIBC = textwrap.dedent("""
     import ctypes, ctypes.util, os
@@ -67,6 +66,24 @@ def test_libc_open_write_cannot_create_files_outside_the_scratch_dir():
     assert f"/tmp/{tag} fd" in v.stdout and re.search(r"Read-only file system|Permission denied|No such file", v.stdout)  # it tried and was refused
     for t in targets:
         assert not os.path.exists(t), f"{t} was created on the host"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap missing; bash infra/test.sh installs it")
+def test_an_interpreter_under_tmp_keeps_the_bubblewrap_layer(tmp_path):
+    """A checkout under /tmp (as a CI clone may be) puts its venv under the sandbox's private /tmp:
+    the install is bound back read-only, so the sandbox still runs it under bubblewrap."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (tmp_path / "hostile.py").write_text(LIBC + f"fd = libc.open({str(venv / 'planted')!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o666)\nprint(fd, err())\n")
+    probe = ("from engines.sandbox import isolation, run_program\n"
+             "v = run_program(open('hostile.py').read(), timeout_s=5, audit_hook=False)\n"
+             "print(isolation().mode, isolation().fs_view, v.verdict, v.stdout.strip())\n")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mode, fs_view, verdict, out = r.stdout.split(maxsplit=3)
+    assert mode.startswith("bwrap") and fs_view == "True" and verdict == "passed", r.stdout + r.stderr[-2000:]
+    assert out.startswith("-1") and not (venv / "planted").exists(), out   # the bound install is read-only
 
 
 @needs_fs_view
