@@ -1,10 +1,13 @@
 """From a scored rollout table to the inputs of one actor (and critic) update: the training stage's
 computation before the engines run.
 
-`table_to_batch` turns rows into padded tensors; `prepare_update` applies reward shaping, the
-KL-in-reward penalty (when KL is not a loss term) and the advantage estimator chosen in the config,
-and advances the objective's cross-iteration state (`AlgorithmState`: adaptive KL coefficient,
-reinforce EMA baseline, running reward statistics), which the trainer keeps and checkpoints.
+`table_tensors` turns the table into the update's tensors, once: the padded token batch
+(`table_to_batch`) and every token-level float column as [B, T] (`token_column`); the trainer
+(tasks/workers.py `TrainWorker.step`) and `prepare_update` both read those. `prepare_update`
+applies reward shaping, the KL-in-reward penalty (when KL is not a loss term) and the advantage
+estimator chosen in the config, and advances the objective's cross-iteration state
+(`AlgorithmState`: adaptive KL coefficient, reinforce EMA baseline, running reward statistics),
+which the trainer keeps and checkpoints.
 Everything here is plain PyTorch.
 """
 
@@ -46,6 +49,27 @@ def token_column(df: pd.DataFrame, column: str, width: int) -> torch.Tensor:
         if v:
             out[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
     return out
+
+
+@dataclass
+class TableTensors:
+    """A rollout table as the tensors of one update, converted once by `table_tensors`.
+
+    batch:  token ids, attention and response masks (loss_mask when the table has one), [B, P+T] / [B, T]
+    token:  column name -> [B, T] float32, zero-padded on the right: the token-level float columns
+            asked for that the table has (behaviour_logprobs, old_logprobs, ref_logprobs, values)
+    """
+
+    batch: TokenBatch
+    token: dict[str, torch.Tensor]
+
+
+def table_tensors(df: pd.DataFrame, pad_id: int, token_columns) -> TableTensors:
+    """`df` -> TableTensors: `table_to_batch`, and `token_column` for each of `token_columns` present
+    (tasks/types.py TOKEN_FLOAT_COLUMNS, the declared ones; engines/ does not import tasks/)."""
+    batch = table_to_batch(df, pad_id)
+    T = batch.responses.shape[1]
+    return TableTensors(batch, {c: token_column(df, c, T) for c in token_columns if c in df.columns})
 
 
 def group_index(df: pd.DataFrame) -> torch.Tensor:
@@ -92,10 +116,19 @@ class UpdateInputs:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, state: AlgorithmState | None = None) -> UpdateInputs:
-    """Shaping, KL penalty and advantages of one scored table, with the carried state."""
+def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, state: AlgorithmState | None = None,
+                   token: dict[str, torch.Tensor] | None = None) -> UpdateInputs:
+    """Shaping, KL penalty and advantages of one scored table, with the carried state. `token`:
+    the table's token-level columns already as tensors (`table_tensors(...).token`); a column not
+    in it is converted from `df` here."""
     state = state or AlgorithmState()
     T = batch.responses.shape[1]
+    token = token or {}
+    has = set(df.columns) | set(token)
+
+    def column(name: str) -> torch.Tensor:                                           # [B, T]
+        return token[name] if name in token else token_column(df, name, T)
+
     scores = torch.as_tensor(df["reward"].to_numpy(dtype=np.float32))                 # [B]
     index = group_index(df)                                                           # [B]
     truncated = torch.as_tensor((df["finish_reason"] == "length").to_numpy().copy())  # [B]
@@ -106,9 +139,9 @@ def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, st
     if state.kl_coef is not None:
         ctrl.value = state.kl_coef
     kl_coef = float(ctrl.value)
-    has_logprobs = {"old_logprobs", "ref_logprobs"} <= set(df.columns)
+    has_logprobs = {"old_logprobs", "ref_logprobs"} <= has
     if has_logprobs:
-        old, ref = token_column(df, "old_logprobs", T), token_column(df, "ref_logprobs", T)       # [B,T]
+        old, ref = column("old_logprobs"), column("ref_logprobs")                                 # [B,T]
         if not cfg.use_kl_loss and cfg.kl_coef > 0:
             rewards, m = apply_kl_penalty(cfg, rewards, old, ref, mask, kl_coef=kl_coef)
             metrics.update(m)
@@ -116,7 +149,7 @@ def prepare_update(df: pd.DataFrame, batch: TokenBatch, cfg: AlgorithmConfig, st
         current_kl = float(masked_mean(get_kl(cfg.kl_estimator)(old, ref), mask.float()))
         ctrl.update(current_kl, n_steps=len(df))
         metrics["actor/kl_ctrl_current_kl"] = current_kl
-    values = token_column(df, "values", T) if "values" in df.columns else None
+    values = column("values") if "values" in has else None
     extra = None
     if cfg.advantage == "gigpo":  # step-level credit needs the per-turn structure of agentic rows
         import json

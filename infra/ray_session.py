@@ -1,10 +1,11 @@
 """Ray inside a Flyte task: the cluster the task's RayJobConfig brought up, and its engine actors.
 
 Remote: each task has its own ephemeral Ray cluster (KubeRay), so actors are created per task.
-Local (`pyflyte run` without --remote): the Ray plugin starts one local Ray instance for the first
-Ray task and every later task reuses it; engine actors are named per run and role and reused too,
-so a model is loaded once per process and then only updated in place. `shutdown()` ends it at the
-end of the run.
+Local (`pyflyte run` without --remote), `FLYROLL_RAY=shared` (default): the Ray plugin starts one
+local Ray instance for the first Ray task and every later task reuses it; engine actors are named
+per run and role and reused too, so a model is loaded once per process and then only updated in
+place. `shutdown()` ends it at the end of the run. `FLYROLL_RAY=per-task`: each Ray task starts and
+stops its own local cluster, as on Kubernetes (infra/ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ def is_local_execution() -> bool:
 
     state = FlyteContextManager.current_context().execution_state
     return bool(state and state.is_local_execution())
+
+
+def shared_local_ray() -> bool:
+    """A local run whose Ray tasks share one Ray instance, and its named actors, across tasks
+    (`FLYROLL_RAY=shared`). False on a cluster and in the local per-task mode: there each task's
+    actors live and die with its own Ray cluster, reserve what they would on a cluster, and load
+    their weights from the store."""
+    from infra.ray_cluster import ray_mode
+
+    return is_local_execution() and ray_mode() == "shared"
+
+
+def forget_handles() -> None:
+    """Drop this process's actor handles (their cluster is gone)."""
+    _HANDLES.clear()
 
 
 def ensure_ray() -> None:

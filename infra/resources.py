@@ -27,6 +27,8 @@ from flytekit import Resources
 from flytekit.extras.accelerators import A100, BaseAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
+from infra.ray_cluster import FlyrollRayJobConfig
+
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
 
 
@@ -111,7 +113,8 @@ def _profile_ray_job(name: str) -> RayJobConfig:
     workers = []
     if spec.ray_workers:
         workers.append(WorkerNodeConfig(group_name=f"{name}-workers", replicas=spec.ray_workers, requests=spec.requests, limits=spec.limits))
-    return RayJobConfig(
+    return FlyrollRayJobConfig(
+        role=name,
         head_node_config=HeadNodeConfig(requests=spec.requests, limits=spec.limits, ray_start_params={"num-cpus": spec.requests.cpu or "1"}),
         worker_node_config=workers,
         shutdown_after_job_finishes=True,
@@ -259,7 +262,8 @@ def ray_job_for(cfg, task: str) -> RayJobConfig:
     params = {"num-cpus": kw["requests"].cpu, **({"num-gpus": f"{math.ceil(gpu)}"} if gpu else {})}
     workers = [WorkerNodeConfig(group_name=f"{task}-workers", replicas=n - 1, requests=kw["requests"], limits=kw["limits"],
                                 ray_start_params=params)] if n > 1 else []
-    return _with_guest_workers(cfg, task, RayJobConfig(
+    return _with_guest_workers(cfg, task, FlyrollRayJobConfig(
+        role=task,
         head_node_config=HeadNodeConfig(requests=kw["requests"], limits=kw["limits"], ray_start_params=params),
         worker_node_config=workers,
         shutdown_after_job_finishes=True,

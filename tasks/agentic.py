@@ -20,7 +20,7 @@ from infra import tracking
 from infra.resources import ray_job, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.prepare import EVAL_SEED0, TRAIN_SEED0
-from tasks.rollout import generation_pool
+from tasks.rollout import generation_pool, rollout_sampling
 from tasks.types import PolicyRef, RunSpec
 
 
@@ -28,12 +28,12 @@ EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for 
 
 
 def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = None):
-    from engines.generation import SamplingParams
-
+    """The rollout's sampling (tasks/rollout.py `rollout_sampling`) for one reply per episode turn:
+    n=1, a newline stop when `rollout.stop` is empty, greedy (unseeded) or at `temperature`
+    (default `rollout.temperature`) seeded by the iteration."""
     r = cfg.rollout
-    return SamplingParams(n=1, temperature=0.0 if greedy else (r.temperature if temperature is None else temperature), top_p=r.top_p,
-                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop) or ("\n",),
-                          seed=None if greedy else cfg.run.seed * 100_003 + iteration)
+    return rollout_sampling(cfg, None if greedy else cfg.run.seed * 100_003 + iteration, n=1, stop=tuple(r.stop) or ("\n",),
+                            temperature=0.0 if greedy else (r.temperature if temperature is None else temperature))
 
 
 def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
@@ -58,6 +58,29 @@ def _finish_reason(ep) -> str:
     return "env_error" if ep.env_error else "truncated" if ep.truncated else "done" if ep.done else "max_turns"
 
 
+def episode_rows(episodes: list, iteration: int, domain: str, version: int) -> pd.DataFrame:
+    """The rollout table of `episodes` (engines/env_manager.py Episode): one row per episode, the
+    RLVR rollout columns plus the agentic ones (tasks/types.py COLUMNS)."""
+    return pd.DataFrame([{
+        "prompt_id": f"seed-{ep.seed}", "group_id": f"{iteration}:{ep.group_id}", "sample_id": ep.sample_id,
+        "domain": domain, "prompt": ep.prompt, "answer": None, "tests": None, "metadata": None,
+        "prompt_token_ids": ep.prompt_token_ids, "response": ep.transcript, "response_token_ids": ep.response_token_ids,
+        "behaviour_logprobs": ep.behaviour_logprobs, "loss_mask": ep.loss_mask, "turn_index": ep.turn_index,
+        "turn_rewards": ep.turn_rewards, "state_keys": json.dumps(ep.state_keys), "finish_reason": _finish_reason(ep),
+        "policy_version": version, "env_return": ep.episode_return, "success": bool(ep.success),
+        "turns": ep.turns, "num_effective": ep.num_effective, "num_invalid": ep.num_invalid,
+        "env_error": ep.env_error,
+    } for ep in episodes])
+
+
+def scored_episodes(batch: pd.DataFrame) -> pd.DataFrame:
+    """`batch` with reward = the episode's return and reward_error = the environment's error."""
+    df = batch.copy()
+    df["reward"] = df["env_return"].astype(float)
+    df["reward_error"] = df["env_error"]
+    return df
+
+
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.DataFrame:
     """B environments (seeds) x G episodes each -> one row per episode (prompt + interleaved turns)."""
@@ -69,17 +92,8 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
     with stage(spec, "rollout", iteration, metrics):
         seeds = [TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B + i for i in range(B)]
         episodes = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
-        rows = [{
-            "prompt_id": f"seed-{ep.seed}", "group_id": f"{iteration}:{ep.group_id}", "sample_id": ep.sample_id,
-            "domain": cfg.env.name, "prompt": ep.prompt, "answer": None, "tests": None, "metadata": None,
-            "prompt_token_ids": ep.prompt_token_ids, "response": ep.transcript, "response_token_ids": ep.response_token_ids,
-            "behaviour_logprobs": ep.behaviour_logprobs, "loss_mask": ep.loss_mask, "turn_index": ep.turn_index,
-            "turn_rewards": ep.turn_rewards, "state_keys": json.dumps(ep.state_keys), "finish_reason": _finish_reason(ep),
-            "policy_version": policy.version, "env_return": ep.episode_return, "success": bool(ep.success),
-            "turns": ep.turns, "num_effective": ep.num_effective, "num_invalid": ep.num_invalid,
-            "env_error": ep.env_error,
-        } for ep in episodes]
-        df = pd.DataFrame(rows)
+        df = episode_rows(episodes, iteration, cfg.env.name, policy.version)
+        check_columns(df, "rollout", at="leaving rollout_episodes")
         metrics.update(episode_metrics(episodes, prefix="env"))
         metrics["rollout/response_length"] = float(df["response_token_ids"].map(len).mean())
         metrics["rollout/policy_tokens"] = float(df["loss_mask"].map(sum).sum())
@@ -90,12 +104,11 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
 def score_episodes(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
     """reward = the episode's return (environment rewards + invalid-action penalties); an environment
     that raised is flagged in reward_error (its episode already ended with what it had)."""
-    check_columns(batch, "rollout")
+    check_columns(batch, "rollout", at="entering score_episodes")
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
-        df = batch.copy()
-        df["reward"] = df["env_return"].astype(float)
-        df["reward_error"] = df["env_error"]
+        df = scored_episodes(batch)
+        check_columns(df, "rollout", "scoring", at="leaving score_episodes")
         metrics.update({"reward/mean": float(df["reward"].mean()), "reward/errors": float(df["env_error"].notna().sum()),
                         "reward/accuracy": float(df["success"].mean())})
         solved = df.groupby("group_id")["reward"].agg(["min", "max"])

@@ -12,9 +12,9 @@ import pandas as pd
 from rich.console import Console
 
 from configs.schema import FlyrollConfig
-from infra import tracking
+from infra import ray_cluster, tracking
 from infra.store import ArtifactStore
-from tasks.types import ROLLOUT_COLUMNS, RunSpec
+from tasks.types import COLUMNS, STAGES, Column, RunSpec
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -128,11 +128,15 @@ def log_iteration_metrics(spec: RunSpec, iteration: int, metrics: dict[str, floa
 @contextmanager
 def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
     """Times a stage, logs `timing/<name>_s` + the stage's metrics at step=iteration to the MLflow
-    parent run and the iteration's child run; `<name>/tokens` also gives `<name>/tokens_per_s`."""
+    parent run and the iteration's child run; `<name>/tokens` also gives `<name>/tokens_per_s`; in
+    the per-task Ray mode also its cluster's start seconds and node count."""
     t0 = time.perf_counter()
     yield
     dt = time.perf_counter() - t0
     metrics[f"timing/{name}_s"] = dt
+    if ray_cluster.CURRENT:  # FLYROLL_RAY=per-task: this task's own Ray cluster (started before the stage)
+        metrics[f"timing/{name}_ray_start_s"] = ray_cluster.CURRENT["start_s"]
+        metrics[f"ray/{name}_nodes"] = ray_cluster.CURRENT["nodes"]
     if f"{name}/tokens" in metrics and f"{name}/tokens_per_s" not in metrics:
         metrics[f"{name}/tokens_per_s"] = metrics[f"{name}/tokens"] / max(dt, 1e-9)
     log_iteration_metrics(spec, iteration, metrics)
@@ -141,8 +145,85 @@ def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
     console.print(f"[bold cyan]iter {iteration:>3}[/] ▸ {name:<11} [green]{dt:6.2f}s[/]  {shown}")
 
 
-def check_columns(df: pd.DataFrame, *stages: str) -> None:
-    """The rollout table must carry every column the given stages add (schema check at a task boundary)."""
-    missing = [c for s in stages for c in ROLLOUT_COLUMNS[s] if c not in df.columns]
+def check_columns(df: pd.DataFrame, *stages: str, at: str = "at a stage boundary") -> None:
+    """Schema check of the rollout table at a task boundary, against tasks/types.py `COLUMNS`: every
+    column the given `stages` write is there (optional ones: checked when present) and of its declared
+    dtype, and every token-level (`aligned`) column has one entry per `response_token_ids` token in
+    every row. Raises ValueError naming the boundary `at` ("entering training"), the column, the
+    dtype expected and what was found. Cost: one pass over the cells of each object column."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"check_columns: unknown stage(s) {unknown}, expected some of {list(STAGES)}")
+    where = f"rollout table {at}"
+    declared = [c for c in COLUMNS if c.writer in stages]
+    missing = [c.name for c in declared if not c.optional and c.name not in df.columns]
     if missing:
-        raise ValueError(f"rollout table is missing columns {missing} (has {list(df.columns)})")
+        raise ValueError(f"{where}: missing columns {missing} (has {list(df.columns)})")
+    present = [c for c in declared if c.name in df.columns]
+    for c in present:
+        found = _dtype_mismatch(df[c.name], c)
+        if found:
+            raise ValueError(f"{where}: column {c.name!r} expected {c.dtype}{' or None' if c.nullable else ''}, got {found}")
+    if "response_token_ids" in df.columns:
+        tokens = df["response_token_ids"].map(len).to_numpy()
+        for c in present:
+            if c.aligned:
+                lengths = df[c.name].map(len).to_numpy()
+                bad = (lengths != tokens).nonzero()[0]
+                if len(bad):
+                    i = int(bad[0])
+                    raise ValueError(f"{where}: column {c.name!r} must hold one entry per response token, but row {i} "
+                                     f"has {lengths[i]} for {tokens[i]} tokens of 'response_token_ids' ({len(bad)} such rows)")
+
+
+def _short(v) -> str:
+    r = repr(v.item() if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 else v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _element_ok(x, kind: str) -> bool:
+    """Is scalar `x` of `kind` ("int", "float", "bool", "str")? Bools are not numbers here."""
+    import numpy as np
+
+    if kind == "str":
+        return isinstance(x, str)
+    if kind == "bool":
+        return isinstance(x, (bool, np.bool_))
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    return isinstance(x, (int, np.integer)) or (kind == "float" and isinstance(x, (float, np.floating)))
+
+
+def _dtype_mismatch(s: pd.Series, col: Column) -> str | None:
+    """What is wrong with column `s` for its declaration `col`, as "<found> (<where>)"; None when it fits."""
+    import numpy as np
+
+    nulls = s.isna() if not col.dtype.startswith("list") else s.map(lambda v: v is None or (isinstance(v, float) and v != v))
+    if col.nullable and bool(nulls.all()):
+        return None
+    if col.dtype in ("int", "float", "bool"):
+        kinds = {"int": "iu", "float": "fiu", "bool": "b"}[col.dtype]
+        if s.dtype.kind in kinds:
+            return None
+        i, v = next(((i, v) for i, (v, null) in enumerate(zip(s, nulls)) if null or not _element_ok(v, col.dtype)),
+                    (0, s.iloc[0] if len(s) else None))
+        return f"{s.dtype} (first value {_short(v)}, row {i})"
+    if col.dtype == "str" and s.dtype.kind not in "OSU" and not isinstance(s.dtype, pd.StringDtype):
+        return f"{s.dtype} (first value {_short(s.iloc[0]) if len(s) else None}, row 0)"
+    element = col.dtype[5:-1] if col.dtype.startswith("list") else None
+    for i, (v, null) in enumerate(zip(s, nulls)):
+        if null:
+            if col.nullable:
+                continue
+            return f"null in row {i}"
+        if element is None:
+            if not _element_ok(v, col.dtype):
+                return f"{type(v).__name__} in row {i} ({_short(v)})"
+        elif isinstance(v, np.ndarray):
+            if v.ndim != 1 or (v.size and v.dtype.kind not in {"int": "iu", "float": "fiu"}[element]):
+                return f"array of {v.dtype} (shape {v.shape}) in row {i}"
+        elif not isinstance(v, (list, tuple)):
+            return f"{type(v).__name__} in row {i} ({_short(v)})"
+        elif v and not _element_ok(v[0], element):
+            return f"list of {type(v[0]).__name__} in row {i} ({_short(v)})"
+    return None

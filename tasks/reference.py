@@ -19,7 +19,7 @@ import pandas as pd
 import ray
 from flytekit import task
 
-from infra.ray_session import actor_pool, is_local_execution
+from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.types import PolicyRef, RunSpec
@@ -32,13 +32,13 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     `response_token_ids`)."""
     import numpy as np
 
-    check_columns(batch, "rollout", "scoring")
+    check_columns(batch, "rollout", "scoring", at="entering reference_forward")
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "reference", iteration, metrics):
         (worker,) = actor_pool(ReferenceWorker, "reference", 1, spec.run_id,
                                {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "reference", "critic")},
-                               actor_options_for(cfg, "reference", is_local_execution()))
+                               actor_options_for(cfg, "reference", shared_local_ray()))
         models = {"reference": reference.key, "policy": policy.key}
         if cfg.algorithm.kl_coef == 0:
             models.pop("reference")
@@ -54,14 +54,14 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         old_lp = computed.get("policy", [list(x) for x in batch["behaviour_logprobs"]])
         ref_lp = computed.get("reference", old_lp)
         metrics["reference/forwards"] = float(len(models))
-        df = batch.copy()
-        df["ref_logprobs"] = ref_lp
-        df["old_logprobs"] = old_lp
+        values = None
         if cfg.algorithm.advantage == "gae":
             ray.get(worker.load.remote("critic", spec, policy.key))
-            df["values"] = ray.get(worker.values.remote(prompts, responses, pad, mb))
-            v = np.concatenate([np.asarray(x, dtype=np.float64) for x in df["values"]] or [np.zeros(0)])
+            values = ray.get(worker.values.remote(prompts, responses, pad, mb))
+            v = np.concatenate([np.asarray(x, dtype=np.float64) for x in values] or [np.zeros(0)])
             metrics["reference/values_mean"] = float(v.mean()) if v.size else 0.0
+        df = with_logprobs(batch, ref_lp, old_lp, values)
+        check_columns(df, "rollout", "scoring", "reference", at="leaving reference_forward")
         beh = np.concatenate([np.asarray(x, dtype=np.float64) for x in batch["behaviour_logprobs"]] or [np.zeros(0)])
         old = np.concatenate([np.asarray(x, dtype=np.float64) for x in old_lp] or [np.zeros(0)])
         ref = np.concatenate([np.asarray(x, dtype=np.float64) for x in ref_lp] or [np.zeros(0)])
@@ -70,6 +70,16 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
             if "policy" in models:  # else old is the behaviour column itself (the trainer measures it)
                 metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
         publish_rollout_table(spec, df, policy, iteration, reference.key if "reference" in models else None)
+    return df
+
+
+def with_logprobs(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list, values: list | None = None) -> pd.DataFrame:
+    """A copy of `batch` with the reference stage's columns, one list per row aligned with
+    `response_token_ids`: `ref_logprobs`, `old_logprobs` and, when given, the critic's `values`."""
+    df = batch.copy()
+    for name, col in (("ref_logprobs", ref_logprobs), ("old_logprobs", old_logprobs), ("values", values)):
+        if col is not None:
+            df[name] = pd.Series(list(col), index=df.index, dtype=object)
     return df
 
 

@@ -14,9 +14,9 @@ import pandas as pd
 import ray
 from flytekit import task
 
-from infra.ray_session import actor_pool, is_local_execution
+from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, task_resources
-from tasks.common import config_of, fetch_cached, stage
+from tasks.common import check_columns, config_of, fetch_cached, stage
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import GenerationWorker, generation_worker_kwargs
 
@@ -26,7 +26,7 @@ def generation_actors(spec: RunSpec) -> list:
     whatever they last loaded."""
     cfg = config_of(spec)
     return actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id, generation_worker_kwargs(cfg),
-                      actor_options_for(cfg, "actor_infer", is_local_execution()))
+                      actor_options_for(cfg, "actor_infer", shared_local_ray()))
 
 
 def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
@@ -36,18 +36,30 @@ def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
     return workers
 
 
+def rollout_sampling(cfg, seed: int | None = None, **overrides):
+    """The rollout's SamplingParams from `cfg.rollout` (G samples, temperature, top_p, max_new_tokens,
+    stop), seeded by `seed`; `overrides` replace fields (the agentic tasks: n=1, greedy). The one
+    place sampling settings are read from the config: the rollout, the DAPO scheduler's chunks
+    (`RayGeneration`) and the agentic episodes (tasks/agentic.py) all sample through it."""
+    from dataclasses import replace
+
+    from engines.generation import SamplingParams
+
+    r = cfg.rollout
+    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                            max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+    return replace(params, **overrides) if overrides else params
+
+
 def sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int) -> pd.DataFrame:
     """G samples for each prompt from `workers`, one row per sample (the ROLLOUT_COLUMNS of
     tasks/types.py, plus the prompt table's `answer`, `tests`, `metadata`); group id
     `<iteration>:<prompt_id>`. The rollout and the DAPO refills both sample through it."""
     from engines.datasets import encode_nested
-    from engines.generation import SamplingParams
 
     cfg = config_of(spec)
-    r = cfg.rollout
     ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
-    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                            max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+    params = rollout_sampling(cfg, seed)
     shards = np.array_split(np.arange(len(ids)), len(workers))
     futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
     rows = []
@@ -81,13 +93,9 @@ class RayGeneration:
     and its result is discarded (HFGenerationEngine's abort event is not reachable through Ray yet)."""
 
     def __init__(self, spec: RunSpec, workers: list, version: int, iteration: int, seed: int):
-        from engines.generation import SamplingParams
-
         cfg = config_of(spec)
-        r = cfg.rollout
         self.chat, self.version, self.iteration, self.seed = cfg.model.apply_chat_template, version, iteration, seed
-        self.params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                     max_new_tokens=r.max_new_tokens, stop=tuple(r.stop))
+        self.params = rollout_sampling(cfg)  # each chunk gets its own seed (`submit`)
         self.idle, self.busy, self.chunks = list(workers), {}, 0
 
     def submit(self, prompts: list):
@@ -167,6 +175,7 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
         else:
             df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
         ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
+        check_columns(df, "rollout", *(("scoring",) if cfg.algorithm.filter_groups else ()), at="leaving rollout")
         lengths = df["response_token_ids"].map(len)
         metrics.update({
             "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),

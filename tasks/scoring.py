@@ -24,7 +24,7 @@ import pandas as pd
 import ray
 from flytekit import task
 
-from infra.ray_session import actor_pool, is_local_execution, kill_pool
+from infra.ray_session import actor_pool, kill_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, console, stage
 from tasks.types import RunSpec
@@ -50,7 +50,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     device, dtype = role_devices(cfg, "reward")["reward"]  # where the reward workers' models live
     models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
               "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
-    opts = actor_options_for(cfg, "reward", is_local_execution())
+    opts = actor_options_for(cfg, "reward", shared_local_ray())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
     workers = actor_pool(RewardWorker, role, n, spec.run_id, {}, opts)
@@ -82,12 +82,17 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     return rewards, errors
 
 
-def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
-    rewards, errors = score_table(spec, df)
+def with_rewards(df: pd.DataFrame, rewards: list[float], errors: list[str | None]) -> pd.DataFrame:
+    """A copy of `df` with the scoring stage's columns: `reward` (float) and `reward_error` (None or
+    the failure), one per row in order."""
     df = df.copy()
-    df["reward"] = rewards
+    df["reward"] = pd.Series(rewards, index=df.index, dtype=float)
     df["reward_error"] = pd.Series(errors, index=df.index, dtype=object)  # None, not NaN (pandas 3 infers str)
     return df
+
+
+def _scored(spec: RunSpec, df: pd.DataFrame) -> pd.DataFrame:
+    return with_rewards(df, *score_table(spec, df))
 
 
 def refill_prompts(cfg, train: pd.DataFrame, n: int, iteration: int, round_: int) -> pd.DataFrame:
@@ -120,7 +125,7 @@ class RayRewards:
                   "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
         self.spec, self.role, self.n = spec, role, cfg.reward.num_workers
         self.args = (cfg.reward.timeout_s, dict(cfg.reward.functions), models)
-        self.opts = actor_options_for(cfg, "reward", is_local_execution())
+        self.opts = actor_options_for(cfg, "reward", shared_local_ray())
         self.workers = actor_pool(RewardWorker, role, self.n, spec.run_id, {}, self.opts)
         self.rows, self.calls, self.hung, self.aborted = {}, 0, False, []
 
@@ -205,10 +210,9 @@ def dynamic_sampling(spec: RunSpec, generation, prompts: pd.DataFrame, train: pd
         groups = [g for g in result.groups if g.status == DROPPED][:want]
 
     def table(gs) -> pd.DataFrame:
-        rows = [{**r, "reward": x, "reward_error": e} for g in gs for r, x, e in zip(g.rows, g.rewards, g.errors)]
-        df = encode_nested(pd.DataFrame(rows))
-        df["reward_error"] = pd.Series([r["reward_error"] for r in rows], index=df.index, dtype=object)
-        return df
+        scored = [(r, x, e) for g in gs for r, x, e in zip(g.rows, g.rewards, g.errors)]
+        return with_rewards(encode_nested(pd.DataFrame([r for r, _, _ in scored])),
+                            [x for _, x, _ in scored], [e for _, _, e in scored])
 
     metrics = {**reward_metrics(table([g for g in result.groups if g.rewards])), **result.metrics(want)}
     return table(groups), metrics
@@ -233,10 +237,11 @@ def reward_metrics(df: pd.DataFrame) -> dict[str, float]:
 
 def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
     """The scoring stage: rewards for every row and the reward/* metrics of these samples."""
-    check_columns(batch, "rollout")
+    check_columns(batch, "rollout", at="entering scoring")
     metrics: dict[str, float] = {}
     with stage(spec, "scoring", iteration, metrics):
         df = _scored(spec, batch)
+        check_columns(df, "rollout", "scoring", at="leaving scoring")
         metrics.update(reward_metrics(df))
     return df
 
@@ -246,6 +251,6 @@ def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
     """Adds `reward` and `reward_error` to every row. A table that already has them was scored
     (with `algorithm.filter_groups`, by the rollout task's scheduler): it passes through as is."""
     if "reward" in batch.columns:
-        check_columns(batch, "rollout", "scoring")
+        check_columns(batch, "rollout", "scoring", at="entering scoring (scored by the rollout's scheduler)")
         return batch
     return score_batch(spec, batch, iteration)

@@ -17,7 +17,7 @@ import ray
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
-from infra.ray_session import actor_pool, is_local_execution
+from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.types import PolicyRef, RunSpec
@@ -36,7 +36,7 @@ def train_workers(cfg, run_id: str) -> list:
     t = cfg.training
     workers = actor_pool(TrainWorker, "training", t.num_workers, run_id,
                          {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
-                         actor_options_for(cfg, "actor_train", is_local_execution()))
+                         actor_options_for(cfg, "actor_train", shared_local_ray()))
     if t.strategy != "torch":
         address = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])
@@ -46,7 +46,7 @@ def train_workers(cfg, run_id: str) -> list:
 @task(task_config=ray_job("training"), **task_resources("training"))
 def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int) -> FlyteDirectory:
     """Returns the new checkpoint directory (published by weight_sync)."""
-    check_columns(batch, "rollout", "scoring", "reference")
+    check_columns(batch, "rollout", "scoring", "reference", at="entering training")
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "training", iteration, metrics):

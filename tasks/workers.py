@@ -324,13 +324,14 @@ class TrainWorker:
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.lora import plain_model
         from engines.modeling import save_policy
-        from engines.rl_step import prepare_update, table_to_batch, token_column
+        from engines.rl_step import prepare_update, table_tensors
         from tasks.common import TRAINER_STATE
+        from tasks.types import TOKEN_FLOAT_COLUMNS
 
         cfg = AlgorithmConfig.model_validate(algorithm_cfg)
-        batch = table_to_batch(table, self.tokenizer.pad_token_id)
-        T = batch.responses.shape[1]
-        update = prepare_update(table, batch, cfg, self.algo_state)
+        tensors = table_tensors(table, self.tokenizer.pad_token_id, TOKEN_FLOAT_COLUMNS)  # the one conversion
+        batch, token = tensors.batch, tensors.token
+        update = prepare_update(table, batch, cfg, self.algo_state, token)
         batch.response_mask = update.response_mask
         metrics = dict(update.metrics)
         sizes = dict(mini_batch_size=training_cfg["mini_batch_size"],
@@ -339,9 +340,9 @@ class TrainWorker:
             metrics.update(self.critic_engine.train_step(batch, update.returns, update.values, cfg, **sizes))
         if train_actor:
             in_update = cfg.old_logprobs_in_update(len(table), training_cfg["mini_batch_size"])
-            old = None if in_update else token_column(table, "old_logprobs", T)  # None: the update's own forward
-            ref = token_column(table, "ref_logprobs", T)
-            behaviour = token_column(table, "behaviour_logprobs", T) if cfg.tis_cap is not None or in_update else None
+            old = None if in_update else token["old_logprobs"]  # None: the update's own forward
+            ref = token["ref_logprobs"]
+            behaviour = token["behaviour_logprobs"] if cfg.tis_cap is not None or in_update else None
             metrics.update(self.engine.train_step(batch, update.advantages, old, ref, cfg, temperature=temperature,
                                                   rollout_logprobs=behaviour, kl_coef=update.kl_coef, **sizes))
         self.algo_state = update.state

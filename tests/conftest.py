@@ -35,8 +35,8 @@ def tiny_model_dir(tiny_policy, tmp_path_factory) -> str:
 # shared base) are built once, by one worker; the modules that load SmolLM2 share a group so that two
 # ~8 GB pipelines never run at the same time on the 24 GiB box. The groups holding the longest
 # end-to-end runs are handed out first, so the two workers finish close together.
-SMOLLM2_MODULES = {"test_multidomain", "test_agentic_presets", "test_eval_cli", "test_eval_routing"}
-LONGEST_FIRST = ["test_presets", "smollm2", "test_learning", "test_s3_e2e", "test_strategies", "test_resume",
+SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_eval_routing"}   # + tests marked xdist_group("smollm2")
+LONGEST_FIRST = ["test_agentic_presets", "smollm2", "test_presets", "test_learning", "test_s3_e2e", "test_strategies", "test_resume",
                  "test_agentic_workflow", "test_schedules", "test_workflow", "test_lineage", "test_decks"]
 
 

@@ -32,8 +32,9 @@ def test_agentic_preset_validates_and_names_its_command(name):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
-    """The acceptance run of the agentic pillar: configs/frozenlake.yaml as shipped, fewer iterations."""
-    iterations = 8
+    """The acceptance run of the agentic pillar: configs/frozenlake.yaml as shipped, fewer iterations
+    (4: on 2026-12-02 at one torch thread, sampled success 0.449 -> 0.703, effective actions 0.688 -> 0.770)."""
+    iterations = 4
     c, run, _ = _run(tmp_path, "configs/frozenlake.yaml", loop={"iterations": iterations, "eval_every": iterations})
     success = _history(c, run, "eval/success_rate")
     effective = _history(c, run, "eval/effective_action_rate")
@@ -46,13 +47,14 @@ def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.xdist_group("smollm2")   # never beside another SmolLM2 pipeline (tests/conftest.py)
 def test_frozenlake_smollm2_preset_runs_with_the_chat_template(tmp_path):
     import pandas as pd
 
     from infra.store import ArtifactStore
 
     c, run, cfg = _run(tmp_path, "configs/frozenlake_smollm2.yaml",
-                       env={"eval_episodes": 4}, rollout={"prompts_per_iteration": 2, "samples_per_prompt": 2},
+                       env={"eval_episodes": 2, "max_turns": 4}, rollout={"prompts_per_iteration": 2, "samples_per_prompt": 2},
                        training={"mini_batch_size": 4}, loop={"iterations": 1, "eval_every": 1})
     for key in ("eval/success_rate", "eval/effective_action_rate", "env/invalid_action_rate", "actor/pg_loss"):
         assert _history(c, run, key), key

@@ -157,6 +157,52 @@ def test_rerun_resumes_and_redoes_nothing(e2e_run):
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")) == [1, 2]
 
 
+RAY_STAGES = ("rollout", "scoring", "reference", "training")
+
+
+@pytest.mark.slow
+def test_per_task_ray_mode_gives_the_same_run_as_the_shared_instance(e2e_run, tmp_path):
+    """FLYROLL_RAY=per-task: every Ray task starts its own cluster (as KubeRay would), creates its
+    actors there and loads the weights from the store; with the same seeds the run's rollout tables
+    and checkpoints are those of the shared-instance run (e2e_run)."""
+    import pandas as pd
+    import torch
+    from safetensors.torch import load_file
+
+    from infra.store import ArtifactStore
+
+    shared_tmp, _, _ = e2e_run
+    config = _config(tmp_path)
+    env = {**_env(tmp_path), "FLYROLL_RAY": "per-task"}
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    out = proc.stdout + proc.stderr
+    # 2 iterations x 4 stages + 3 evaluations, each on a cluster of its own, each shut down
+    assert out.count("ray per-task: ") == 2 * (2 * len(RAY_STAGES) + 3), out[-3000:]
+    assert out.count(" cluster shut down in ") == 2 * len(RAY_STAGES) + 3
+    c, run = _mlflow(tmp_path)
+    for stage in RAY_STAGES:
+        starts = c.get_metric_history(run.info.run_id, f"timing/{stage}_ray_start_s")
+        assert sorted(m.step for m in starts) == [1, 2] and all(m.value > 0 for m in starts), stage
+    shared, mine = ArtifactStore(str(shared_tmp / "runs" / "store")), ArtifactStore(str(tmp_path / "runs" / "store"))
+    def series(store):  # rollouts/i0001 ... policy/v0002 -> key (the run id holds the config's hash)
+        return {k.split("/", 2)[2]: k for k in store.list("runs") if "/rollouts/" in k or "/policy/" in k}
+
+    theirs, ours = series(shared), series(mine)
+    assert sorted(ours) == sorted(theirs) == ["policy/v0001", "policy/v0002", "rollouts/i0001", "rollouts/i0002"]
+    for key in ours:
+        a, b = shared.fetch(theirs[key], str(tmp_path / "a" / key)), mine.fetch(ours[key], str(tmp_path / "b" / key))
+        if key.startswith("rollouts/"):
+            x, y = pd.read_parquet(f"{a}/rollout.parquet"), pd.read_parquet(f"{b}/rollout.parquet")
+            assert list(x.columns) == list(y.columns)
+            for col in ("prompt_id", "response_token_ids", "reward", "policy_version", "ref_logprobs", "old_logprobs"):
+                assert x[col].map(repr).tolist() == y[col].map(repr).tolist(), (key, col)
+        else:
+            wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
+            assert all(torch.equal(wa[k], wb[k]) for k in wa), key
+
+
 @pytest.mark.slow
 def test_kl_free_run_with_behaviour_logprobs_skips_both_reference_forwards(tmp_path):
     """kl_coef 0 + old_logprobs behaviour: the reference stage runs no model, the table still has

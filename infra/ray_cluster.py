@@ -1,0 +1,143 @@
+"""Which Ray cluster a stage task runs on, and the local per-task mode that mirrors KubeRay.
+
+Every Ray stage task is declared with a `FlyrollRayJobConfig` (a flytekitplugins-ray `RayJobConfig`
+that also names the stage's role). On a Flyte cluster it compiles to the same RayJob as the plugin's
+own config: KubeRay brings up the head and worker pods for the task and tears them down after it.
+
+Locally there are two modes (`FLYROLL_RAY`):
+
+- `shared` (default): the Ray plugin starts one local Ray instance for the first Ray task and every
+  later task reuses it, with its named engine actors (a model is loaded once, then updated in place).
+- `per-task`: each Ray task starts its own Ray cluster -- a head node plus one Ray node per worker
+  replica of the RayJobConfig the run's config gives that stage (`infra.resources.ray_job_for`),
+  each node with the CPUs/GPUs its pod would request -- creates its actors there with the
+  reservations they would make on a cluster, and shuts the cluster down when the task ends, as
+  KubeRay does. So actors are created per task and load their weights from the store, and an actor
+  that does not fit its task's cluster waits there as it would on Kubernetes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from flytekit.core.context_manager import ExecutionParameters
+from flytekit.extend import TaskPlugins
+from flytekitplugins.ray import RayJobConfig
+from flytekitplugins.ray.task import RayFunctionTask
+from rich.console import Console
+
+MODES = ("shared", "per-task")
+_OBJECT_STORE_MB = {"head": 512, "worker": 256}   # per local node (memory-backed /dev/shm)
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# the cluster of the Ray task running now in this process (per-task mode), for stage metrics
+CURRENT: dict[str, float] = {}
+
+
+def ray_mode() -> str:
+    mode = os.environ.get("FLYROLL_RAY", "shared")
+    if mode not in MODES:
+        raise ValueError(f"FLYROLL_RAY={mode!r}; expected one of {list(MODES)}")
+    return mode
+
+
+@dataclass
+class FlyrollRayJobConfig(RayJobConfig):
+    """A RayJobConfig that names the stage role it was made for (infra/resources.py ROLES)."""
+
+    role: str = ""
+
+
+def _cpus_gpus(params: dict | None, requests) -> tuple[float, float]:
+    params = params or {}
+    cpu = params.get("num-cpus") or (requests.cpu if requests is not None else None) or 1
+    gpu = params.get("num-gpus") or (requests.gpu if requests is not None else None) or 0
+    return float(cpu), float(gpu)
+
+
+def node_shapes(job: RayJobConfig) -> list[tuple[str, float, float]]:
+    """(node name, CPUs, GPUs) of every Ray node `job` declares: the head, then each worker replica."""
+    head = job.head_node_config
+    shapes = [("head", *_cpus_gpus(head.ray_start_params if head else None, head.requests if head else None))]
+    for group in job.worker_node_config:
+        cpu, gpu = _cpus_gpus(group.ray_start_params, group.requests)
+        shapes += [(f"{group.group_name}-{i}", cpu, gpu) for i in range(group.replicas)]
+    return shapes
+
+
+@contextmanager
+def task_cluster(job: RayJobConfig, role: str):
+    """A fresh local Ray cluster shaped like `job` (one Ray node per pod), connected for the body and
+    shut down after it, whatever the body does."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    shapes = node_shapes(job)
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    try:
+        for name, cpu, gpu in shapes:
+            kind = "head" if name == "head" else "worker"
+            cluster.add_node(num_cpus=cpu, num_gpus=gpu, object_store_memory=_OBJECT_STORE_MB[kind] << 20,
+                             include_dashboard=False)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
+        started = time.perf_counter() - t0
+        CURRENT.update(start_s=started, nodes=float(len(shapes)))
+        console.print(f"[dim]ray per-task: {role} cluster, {len(shapes)} node(s) "
+                      f"({', '.join(f'{n} {c:g} CPU' + (f' {g:g} GPU' if g else '') for n, c, g in shapes)}), "
+                      f"started in {started:.1f}s[/]")
+        yield cluster
+    finally:
+        t1 = time.perf_counter()
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        from infra.ray_session import forget_handles
+
+        forget_handles()
+        CURRENT.clear()
+        console.print(f"[dim]ray per-task: {role} cluster shut down in {time.perf_counter() - t1:.1f}s[/]")
+
+
+def stage_job(task_config: RayJobConfig, role: str, spec) -> RayJobConfig:
+    """The Ray cluster a stage needs for this run: sized from the run's config (its `placement`) for
+    the stages that host engine pools, else the config the task was compiled with."""
+    from infra.resources import _POOLS, ray_job_for
+
+    if spec is None or role not in _POOLS:
+        return task_config
+    from configs.schema import FlyrollConfig
+
+    return ray_job_for(FlyrollConfig.model_validate_json(spec.config_json), role)
+
+
+class FlyrollRayTask(RayFunctionTask):
+    """The Ray plugin's task, plus the local per-task mode (see the module docstring)."""
+
+    def _per_task(self) -> bool:
+        from infra.ray_session import is_local_execution
+
+        return ray_mode() == "per-task" and is_local_execution()
+
+    def pre_execute(self, user_params: ExecutionParameters) -> ExecutionParameters:
+        if self._per_task():
+            return user_params          # the cluster starts in execute(), where the run's config is known
+        return super().pre_execute(user_params)
+
+    def execute(self, **kwargs):
+        if not self._per_task():
+            return super().execute(**kwargs)
+        role = self.task_config.role or self.name.rsplit(".", 1)[-1]
+        with task_cluster(stage_job(self.task_config, role, kwargs.get("spec")), role):
+            return super().execute(**kwargs)
+
+
+TaskPlugins.register_pythontask_plugin(FlyrollRayJobConfig, FlyrollRayTask)
