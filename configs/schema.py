@@ -234,6 +234,7 @@ class EnvConfig(_Section):
 class LoopConfig(_Section):
     iterations: int = Field(12, ge=0, le=100_000, description="RL iterations in this run.")
     eval_every: int = Field(4, ge=1, description="Evaluate on the eval split every K iterations (and at 0 and at the end).")
+    fuse: int = Field(1, ge=1, le=1000, description="Iterations per Flyte task (workflows/rlvr.py): 1 = each stage its own task on its own Ray cluster; N > 1 = N iterations, with their evaluations, inside one task on one Ray cluster that holds every stage's nodes (tasks/fused.py): engines stay warm and the generators take each new policy in place, while every iteration still publishes its policy and rollout table and logs its MLflow child run. It does not change results, so it is left out of the run's config hash: a run may be resumed with another value.")
 
 
 class FlyrollConfig(_Section):
@@ -252,6 +253,9 @@ class FlyrollConfig(_Section):
     def _check(self) -> "FlyrollConfig":
         from engines.synthetic import DOMAINS
 
+        if self.loop.fuse > 1 and self.env is not None:
+            raise ValueError(f"loop.fuse={self.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
+                             "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")
         if self.training.num_workers > 1 and self.training.strategy == "torch":
             raise ValueError(f"training.num_workers={self.training.num_workers}: strategy 'torch' is one process; choose a distributed training.strategy (ddp, fsdp2, deepspeed_zero2, deepspeed_zero3) or num_workers 1")
         if self.training.compile and self.training.strategy != "torch":
@@ -321,7 +325,7 @@ class FlyrollConfig(_Section):
         """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
         hash, and a run started before the upgrade still resumes. (A changed default does not change it.)"""
-        values = self.model_dump(mode="json", exclude_defaults=True)
+        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

@@ -19,8 +19,11 @@ Locally there are two modes (`FLYROLL_RAY`):
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
+from unittest import mock
 from dataclasses import dataclass
 
 from flytekit.core.context_manager import ExecutionParameters
@@ -80,12 +83,18 @@ def task_cluster(job: RayJobConfig, role: str):
         ray.shutdown()
     shapes = node_shapes(job)
     t0 = time.perf_counter()
+    # its own Ray temp dir (session files and logs, removed after), and no entry in the machine's
+    # /tmp/ray/ray_current_cluster: `Cluster` writes its head's address there "for unit testing", and
+    # any `ray.init()` without an address on this machine would then join this cluster (another run's
+    # shared instance, a test's ray.init(num_cpus=...)), and fail once it is gone
+    temp_dir = tempfile.mkdtemp(prefix="flyroll-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
     cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
     try:
         for name, cpu, gpu in shapes:
             kind = "head" if name == "head" else "worker"
-            cluster.add_node(num_cpus=cpu, num_gpus=gpu, object_store_memory=_OBJECT_STORE_MB[kind] << 20,
-                             include_dashboard=False)
+            with mock.patch.object(ray._private.utils, "write_ray_address", lambda *a, **k: None):
+                cluster.add_node(num_cpus=cpu, num_gpus=gpu, object_store_memory=_OBJECT_STORE_MB[kind] << 20,
+                                 include_dashboard=False, temp_dir=temp_dir)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
         started = time.perf_counter() - t0
@@ -99,6 +108,7 @@ def task_cluster(job: RayJobConfig, role: str):
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         os.environ.pop("RAY_ADDRESS", None)
         from infra.ray_session import forget_handles
 
@@ -108,15 +118,14 @@ def task_cluster(job: RayJobConfig, role: str):
 
 
 def stage_job(task_config: RayJobConfig, role: str, spec) -> RayJobConfig:
-    """The Ray cluster a stage needs for this run: sized from the run's config (its `placement`) for
-    the stages that host engine pools, else the config the task was compiled with."""
-    from infra.resources import _POOLS, ray_job_for
-
-    if spec is None or role not in _POOLS:
+    """The Ray cluster a stage needs for this run: sized from the run's config (its `placement`),
+    else (no RunSpec among the inputs) the config the task was compiled with."""
+    if spec is None:
         return task_config
     from configs.schema import FlyrollConfig
+    from infra.resources import stage_ray_job
 
-    return ray_job_for(FlyrollConfig.model_validate_json(spec.config_json), role)
+    return stage_ray_job(FlyrollConfig.model_validate_json(spec.config_json), role)
 
 
 class FlyrollRayTask(RayFunctionTask):

@@ -86,6 +86,8 @@ def _packaged_config():
 
 def task_resources(name: str) -> dict:
     """Keyword arguments for `@task(...)`: requests, limits, accelerator."""
+    if name == "fused":  # its pod is the head of its cluster, training's head
+        name = "training"
     cfg = _packaged_config()
     if cfg is not None and name in _POOLS:
         return task_resources_for(cfg, name)
@@ -102,10 +104,35 @@ def _profile_task_resources(name: str) -> dict:
 
 def ray_job(name: str) -> RayJobConfig:
     """The ephemeral Ray cluster of a role's task (KubeRay on Kubernetes; a local Ray instance locally)."""
-    cfg = _packaged_config()
+    return stage_ray_job(_packaged_config(), name)
+
+
+def stage_ray_job(cfg, name: str) -> RayJobConfig:
+    """Stage `name`'s Ray cluster for `cfg` (None: the profile's): `ray_job_for` for the stages that
+    host engine pools, `fused_ray_job` for the fused task, else the profile's."""
+    if name == "fused":
+        return fused_ray_job(cfg)
     if cfg is not None and name in _POOLS:
         return ray_job_for(cfg, name)
     return _profile_ray_job(name)
+
+
+FUSED_STAGES = ("training", "rollout", "reference", "scoring")  # evaluation uses rollout's and scoring's actors
+
+
+def fused_ray_job(cfg) -> RayJobConfig:
+    """The Ray cluster of `loop.fuse` (tasks/fused.py): the four stage clusters in one -- training's
+    head pod as head, every other node of the four as worker groups -- so each actor the fused
+    iterations create has the room its own stage's cluster gives it."""
+    jobs = [stage_ray_job(cfg, s) for s in FUSED_STAGES]
+    groups = list(jobs[0].worker_node_config)
+    for stage, job in zip(FUSED_STAGES[1:], jobs[1:]):
+        head = job.head_node_config
+        groups.append(WorkerNodeConfig(group_name=f"fused-{stage}-head", replicas=1, requests=head.requests,
+                                       limits=head.limits, ray_start_params=head.ray_start_params))
+        groups += [replace(g, group_name=f"fused-{stage}-{g.group_name}") for g in job.worker_node_config]
+    return FlyrollRayJobConfig(role="fused", head_node_config=jobs[0].head_node_config, worker_node_config=groups,
+                               shutdown_after_job_finishes=True, ttl_seconds_after_finished=120)
 
 
 def _profile_ray_job(name: str) -> RayJobConfig:
@@ -150,6 +177,7 @@ def hosted_roles(cfg, task: str) -> tuple[str, ...]:
     roles["evaluation"] = ("actor_infer", "reward")  # greedy responses, scored by the run's reward workers
     if cfg.algorithm.filter_groups:
         roles["rollout"] += ("reward",)
+    roles["fused"] = tuple(dict.fromkeys(r for s in FUSED_STAGES for r in roles[s]))  # every stage, one cluster
     return roles.get(task, ())
 
 

@@ -19,7 +19,6 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from infra import tracking
-from infra.ray_session import shared_local_ray
 from infra.resources import task_resources
 from infra.store import ArtifactNotFound, CorruptArtifact
 from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, rollout_table_key, stage, store_of
@@ -53,7 +52,10 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": version})
         tracking.end_run(spec.tracking_uri, child)  # the iteration is committed; its evaluation may still log into it
         metrics["weight_sync/bytes"] = float(sum(f.size for f in manifest.files.values()))
-        if shared_local_ray() and ray.is_initialized():  # live path: generators take the new weights in place
+        # live path: the generators on this process's Ray cluster take the new weights in place -- a
+        # local run's shared instance, or the one cluster of fused iterations (tasks/fused.py); not a
+        # per-task stage's cluster, which is gone by now (this task is not a Ray task)
+        if ray.is_initialized():
             try:
                 from tasks.rollout import generation_pool
 

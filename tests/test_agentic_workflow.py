@@ -11,7 +11,7 @@ import yaml
 from tests.test_workflow import PYFLYTE, REPO, _env
 
 
-def _run(tmp_path, preset: str, **overrides):
+def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
     cfg = yaml.safe_load((REPO / preset).read_text())
     cfg["run"]["output_dir"] = str(tmp_path / "runs")
     for section, values in overrides.items():
@@ -19,7 +19,8 @@ def _run(tmp_path, preset: str, **overrides):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/agentic.py"), "agentic", "--config", str(path)],
-                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=3000)
+                          cwd=tmp_path, env={**_env(tmp_path), "FLYROLL_RAY": ray_mode}, capture_output=True, text=True,
+                          timeout=3000)
     assert proc.returncode == 0, proc.stderr[-5000:]
     from mlflow.tracking import MlflowClient
 
@@ -38,7 +39,8 @@ def test_agentic_workflow_end_to_end(tmp_path):
 
     from infra.store import ArtifactStore
 
-    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml")
+    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task")  # a Ray cluster per task
+    assert _history(c, run, "timing/rollout_ray_start_s") and _history(c, run, "timing/evaluation_ray_start_s")
     for key in ("env/success_rate", "env/effective_action_rate", "env/invalid_action_rate", "env/turns",
                 "eval/success_rate", "eval/effective_action_rate", "actor/pg_loss"):
         assert _history(c, run, key), key

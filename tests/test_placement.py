@@ -22,7 +22,7 @@ from configs.schema import load_config
 from tests.test_workflow import PYFLYTE, REPO, _env
 
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
-STAGES = ("rollout", "scoring", "reference", "training", "evaluation")
+STAGES = ("rollout", "scoring", "reference", "training", "evaluation", "fused")
 PLACEMENTS = {  # beyond the presets: pools of several workers with their own per-worker resources
     "dapo-placed": ("dapo.yaml", {"rollout": {"num_workers": 2}, "reward": {"num_workers": 3},
                                   "placement": {"actor_infer": {"cpu": 6, "gpu": 1, "memory": "40Gi"},
@@ -118,7 +118,7 @@ def test_every_actor_fits_the_cluster_of_its_task(monkeypatch, tmp_path, preset,
 COMPILED = {"tasks.rollout.rollout": "rollout", "tasks.scoring.score": "scoring", "tasks.reference.reference_forward": "reference",
             "tasks.training.train": "training", "tasks.evaluation.evaluate": "evaluation",
             "tasks.agentic.rollout_episodes": "rollout", "tasks.agentic.score_episodes": "scoring",
-            "tasks.agentic.evaluate_episodes": "evaluation"}
+            "tasks.agentic.evaluate_episodes": "evaluation", "tasks.fused.fused_iterations": "fused"}
 
 
 def test_dapo_compiled_for_gpus_gives_every_actor_room(tmp_path, monkeypatch):

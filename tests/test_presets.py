@@ -54,6 +54,28 @@ LEARNING_RUNS = tuple(p for p in PRESETS if p != "grpo")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # it may bootstrap the shared base (see below)
+def test_dapo_preset_runs_with_a_ray_cluster_per_task(shared_dir):
+    """FLYROLL_RAY=per-task (the path a Flyte cluster runs), one iteration of the DAPO preset: its
+    rollout task hosts the generation actors and the reward workers, with the reservations they make
+    on a cluster, and they must fit that task's own Ray cluster (a misfit would wait for ever)."""
+    cfg = yaml.safe_load((REPO / "configs" / "dapo.yaml").read_text())
+    cfg["run"].update(output_dir=str(shared_dir / "runs"), name="dapo-per-task")
+    cfg["loop"].update(iterations=1, eval_every=1)
+    config = shared_dir / "dapo-per-task.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)],
+                          cwd=shared_dir, env={**_env(shared_dir), "FLYROLL_RAY": "per-task"}, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    c, run, acc = _accuracy(shared_dir, "dapo-per-task")
+    assert [s for s, _ in acc] == [0, 1]
+    for key in ("dynamic_sampling/kept_groups", "timing/rollout_ray_start_s", "timing/training_ray_start_s"):
+        assert [m.step for m in c.get_metric_history(run.info.run_id, key)] == [1], key
+    assert "ray per-task: rollout cluster" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first preset also bootstraps the base (90 s on an idle box, 12 min on a busy one)
 @pytest.mark.parametrize("name", LEARNING_RUNS)
 def test_preset_raises_eval_accuracy_end_to_end(shared_dir, name):

@@ -1,7 +1,8 @@
 """Resume after SIGKILL: kill a real `pyflyte run` in the middle of iteration 3, rerun the same command.
 
-Both local Ray modes: one shared Ray instance, and one Ray cluster per task (FLYROLL_RAY=per-task,
-the path a Flyte cluster runs; infra/ray_cluster.py). The run is the e2e config with 4 iterations (local store, SQLite MLflow) and a reward that pauses
+The run has a Ray cluster per task (FLYROLL_RAY=per-task, the path a Flyte cluster runs;
+infra/ray_cluster.py): resume reads only the store and MLflow, the same in either local Ray mode, and
+the shared mode's rerun is tests/test_workflow.py's. The run is the e2e config with 4 iterations (local store, SQLite MLflow) and a reward that pauses
 once, in the first scoring after v0002 is published -- iteration 3, after its rollout stage logged
 its metrics (a partial step 3). The test waits for that pause, then SIGKILLs the whole process group
 (pyflyte, its Ray instance and actors). The rerun resumes from v0002; after
@@ -25,6 +26,7 @@ import pytest
 from tests.test_workflow import PYFLYTE, REPO, _config, _env
 
 pytestmark = pytest.mark.slow
+RAY_MODE = "per-task"
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -69,8 +71,7 @@ def _parent_run(tracking_uri: str):
     return c, runs
 
 
-@pytest.mark.parametrize("ray_mode", ["shared", "per-task"])
-def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp_path: Path, ray_mode: str):
+def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp_path: Path):
     from infra import tracking
     from infra.store import ArtifactStore
 
@@ -85,7 +86,7 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
     store = ArtifactStore(str(tmp_path / "runs" / "store"))
     tracking_uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     paused = tmp_path / "paused"
-    env = {**_env(tmp_path), "FLYROLL_RAY": ray_mode, "FLYROLL_TEST_PAUSED": str(paused),
+    env = {**_env(tmp_path), "FLYROLL_RAY": RAY_MODE, "FLYROLL_TEST_PAUSED": str(paused),
            # evaluation scores with the training reward too: pause after iteration 2's evaluation has
            # logged its table (runs/mlartifacts/.../eval/v0002.csv), i.e. in iteration 3's scoring
            "FLYROLL_TEST_PAUSE_AFTER": f"{tmp_path}/runs/mlartifacts/**/eval/v0002.csv"}
@@ -108,7 +109,7 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
     killed_at = [k.rsplit("/", 1)[-1] for k in store.list("runs") if "/policy/" in k]
     assert killed_at == ["v0001", "v0002"], killed_at  # killed inside iteration 3
 
-    rerun = subprocess.run(cmd, cwd=tmp_path, env={**_env(tmp_path), "FLYROLL_RAY": ray_mode}, capture_output=True,
+    rerun = subprocess.run(cmd, cwd=tmp_path, env={**_env(tmp_path), "FLYROLL_RAY": RAY_MODE}, capture_output=True,
                            text=True, timeout=600)
     out = rerun.stdout + rerun.stderr
     assert rerun.returncode == 0, out[-6000:]

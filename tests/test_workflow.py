@@ -157,6 +157,42 @@ def test_rerun_resumes_and_redoes_nothing(e2e_run):
     assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")) == [1, 2]
 
 
+def assert_same_run(theirs_tmp: Path, ours_tmp: Path) -> None:
+    """Two runs of the e2e config published the same versions, with identical rollout tables and
+    checkpoints, and logged the same metric steps and one child run per iteration."""
+    import pandas as pd
+    import torch
+    from safetensors.torch import load_file
+
+    from infra import tracking
+    from infra.store import ArtifactStore
+
+    shared, mine = ArtifactStore(str(theirs_tmp / "runs" / "store")), ArtifactStore(str(ours_tmp / "runs" / "store"))
+
+    def series(store):  # rollouts/i0001 ... policy/v0002 -> key (the run id holds the config's hash)
+        return {k.split("/", 2)[2]: k for k in store.list("runs") if "/rollouts/" in k or "/policy/" in k}
+
+    theirs, ours = series(shared), series(mine)
+    assert sorted(ours) == sorted(theirs) == ["policy/v0001", "policy/v0002", "rollouts/i0001", "rollouts/i0002"]
+    for key in ours:
+        a = shared.fetch(theirs[key], str(ours_tmp / "cmp" / "a" / key))
+        b = mine.fetch(ours[key], str(ours_tmp / "cmp" / "b" / key))
+        if key.startswith("rollouts/"):
+            x, y = pd.read_parquet(f"{a}/rollout.parquet"), pd.read_parquet(f"{b}/rollout.parquet")
+            assert list(x.columns) == list(y.columns)
+            for col in ("prompt_id", "response_token_ids", "reward", "policy_version", "ref_logprobs", "old_logprobs"):
+                assert x[col].map(repr).tolist() == y[col].map(repr).tolist(), (key, col)
+        else:
+            wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
+            assert all(torch.equal(wa[k], wb[k]) for k in wa), key
+    (c1, r1), (c2, r2) = _mlflow(theirs_tmp), _mlflow(ours_tmp)
+    for key in ("reward/mean", "actor/pg_loss", "eval/accuracy", "weight_sync/bytes"):
+        h1 = [(m.step, m.value) for m in c1.get_metric_history(r1.info.run_id, key)]
+        assert sorted(h1) == sorted((m.step, m.value) for m in c2.get_metric_history(r2.info.run_id, key)), key
+    children = tracking.child_runs(f"sqlite:///{ours_tmp / 'runs' / 'mlflow.db'}", r2.info.run_id)
+    assert sorted(children) == [1, 2] and all(len(v) == 1 for v in children.values())
+
+
 RAY_STAGES = ("rollout", "scoring", "reference", "training")
 
 
@@ -165,12 +201,6 @@ def test_per_task_ray_mode_gives_the_same_run_as_the_shared_instance(e2e_run, tm
     """FLYROLL_RAY=per-task: every Ray task starts its own cluster (as KubeRay would), creates its
     actors there and loads the weights from the store; with the same seeds the run's rollout tables
     and checkpoints are those of the shared-instance run (e2e_run)."""
-    import pandas as pd
-    import torch
-    from safetensors.torch import load_file
-
-    from infra.store import ArtifactStore
-
     shared_tmp, _, _ = e2e_run
     config = _config(tmp_path)
     env = {**_env(tmp_path), "FLYROLL_RAY": "per-task"}
@@ -185,22 +215,34 @@ def test_per_task_ray_mode_gives_the_same_run_as_the_shared_instance(e2e_run, tm
     for stage in RAY_STAGES:
         starts = c.get_metric_history(run.info.run_id, f"timing/{stage}_ray_start_s")
         assert sorted(m.step for m in starts) == [1, 2] and all(m.value > 0 for m in starts), stage
-    shared, mine = ArtifactStore(str(shared_tmp / "runs" / "store")), ArtifactStore(str(tmp_path / "runs" / "store"))
-    def series(store):  # rollouts/i0001 ... policy/v0002 -> key (the run id holds the config's hash)
-        return {k.split("/", 2)[2]: k for k in store.list("runs") if "/rollouts/" in k or "/policy/" in k}
+    assert_same_run(shared_tmp, tmp_path)
 
-    theirs, ours = series(shared), series(mine)
-    assert sorted(ours) == sorted(theirs) == ["policy/v0001", "policy/v0002", "rollouts/i0001", "rollouts/i0002"]
-    for key in ours:
-        a, b = shared.fetch(theirs[key], str(tmp_path / "a" / key)), mine.fetch(ours[key], str(tmp_path / "b" / key))
-        if key.startswith("rollouts/"):
-            x, y = pd.read_parquet(f"{a}/rollout.parquet"), pd.read_parquet(f"{b}/rollout.parquet")
-            assert list(x.columns) == list(y.columns)
-            for col in ("prompt_id", "response_token_ids", "reward", "policy_version", "ref_logprobs", "old_logprobs"):
-                assert x[col].map(repr).tolist() == y[col].map(repr).tolist(), (key, col)
-        else:
-            wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
-            assert all(torch.equal(wa[k], wb[k]) for k in wa), key
+
+@pytest.mark.slow
+def test_fused_iterations_give_the_same_run_in_one_task(e2e_run, tmp_path):
+    """loop.fuse: 2 with a Ray cluster per task: both iterations and their evaluations run in one
+    task on one cluster (the generators updated in place), and the run is the unfused one (e2e_run):
+    same versions, tables, checkpoints, metric steps and child runs."""
+    shared_tmp, _, _ = e2e_run
+    config = _config(tmp_path, loop={"fuse": 2})
+    env = {**_env(tmp_path), "FLYROLL_RAY": "per-task"}
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    out = proc.stdout + proc.stderr
+    clusters = [line.split("ray per-task: ")[1].split(" cluster")[0] for line in out.splitlines()
+                if "ray per-task: " in line and "shut down" not in line]
+    assert clusters == ["evaluation", "fused"], clusters   # iteration 0's evaluation, then one task
+    assert_same_run(shared_tmp, tmp_path)
+
+
+def test_loop_fuse_is_left_out_of_the_config_hash(tmp_path):
+    """A run may be resumed fused or not (same run id); every other setting still changes the hash."""
+    from configs.schema import load_config
+
+    plain, fused = load_config(_config(tmp_path)), load_config(_config(tmp_path, loop={"fuse": 4}))
+    assert fused.loop.fuse == 4 and plain.hash() == fused.hash()
+    assert load_config(_config(tmp_path, loop={"eval_every": 2})).hash() != plain.hash()
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
 weight sync -- each with its own resources and Ray cluster. `rl_loop` (a bounded @dynamic) chains
 iterations from a start version, evaluating at the start, every `loop.eval_every` iterations and at
-the end; runs longer than CHUNK iterations continue in a nested `rl_loop`. A rerun of the same
+the end; runs longer than CHUNK iterations continue in a nested `rl_loop`. With `loop.fuse: N` it
+runs N iterations at a time in one task on one Ray cluster instead (tasks/fused.py). A rerun of the same
 config resumes from the last published policy version of that run.
 """
 
@@ -20,7 +21,9 @@ import pandas as pd
 from flytekit import dynamic, workflow
 
 from infra.resources import task_resources
+from tasks.common import config_of
 from tasks.evaluation import evaluate, finalize
+from tasks.fused import evaluates, fused_iterations
 from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
@@ -53,10 +56,21 @@ def rl_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset: Data
     policy, samples = start, pd.DataFrame()
     accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
-    for it in range(start.version + 1, end + 1):
+    fuse = config_of(spec).loop.fuse
+    it = start.version + 1
+    while it <= end:
+        if fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
+            n = min(fuse, end - it + 1)
+            policy, chunk_accuracy, samples = fused_iterations(spec=spec, policy=policy, reference=reference, dataset=dataset,
+                                                               first=it, count=n, last=last, eval_every=eval_every)
+            if any(evaluates(i, last, eval_every) for i in range(it, it + n)):
+                accuracy = chunk_accuracy
+            it += n
+            continue
         policy, samples = rl_iteration(spec=spec, policy=policy, reference=reference, dataset=dataset, iteration=it)
-        if it % eval_every == 0 or it == last:
+        if evaluates(it, last, eval_every):
             accuracy = evaluate(spec=spec, policy=policy, dataset=dataset)
+        it += 1
     if end < last:
         return rl_loop(spec=spec, start=policy, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return LoopOut(policy=policy, accuracy=accuracy, samples=samples)

@@ -1,0 +1,65 @@
+"""`loop.fuse: N`: N iterations, with their evaluations, inside one Flyte task on one Ray cluster.
+
+Each stage task of workflows/rlvr.py runs on its own Ray cluster. On a Flyte cluster that costs,
+per stage and iteration, a Ray cluster start, the engine actors' start and a model load from the
+store. The fused task runs the same stage bodies one after another on one cluster that holds every
+stage's nodes (`infra.resources.fused_ray_job`): the engine actors are created once, stay warm, and
+the generators take each new policy in place (tasks/weight_sync.py, `ray.is_initialized()`).
+Nothing else changes: every iteration publishes its policy and rollout table, registers the model
+version and logs its MLflow child run exactly as the separate tasks do, so lineage and resume are
+those of the unfused loop, and with the same seeds the results are the same
+(tests/test_workflow.py `test_fused_iterations_give_the_same_run_in_one_task`).
+
+Between stages the rollout table goes through parquet, as it does between tasks (Flyte's
+StructuredDataset), so every stage reads exactly the table it would read unfused.
+"""
+
+from __future__ import annotations
+
+import io
+import typing
+
+import pandas as pd
+from flytekit import task
+
+from infra.resources import ray_job, task_resources
+from tasks.evaluation import evaluate
+from tasks.reference import reference_forward
+from tasks.rollout import rollout
+from tasks.scoring import score
+from tasks.training import train
+from tasks.types import DatasetRef, PolicyRef, RunSpec
+from tasks.weight_sync import publish_weights
+
+FusedOut = typing.NamedTuple("FusedOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
+
+
+def _between_tasks(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as the next task would receive it: written to parquet and read back."""
+    buf = io.BytesIO()
+    df.to_parquet(buf)
+    return pd.read_parquet(io.BytesIO(buf.getvalue()))
+
+
+def evaluates(iteration: int, last: int, eval_every: int) -> bool:
+    """Whether the loop evaluates after `iteration` (workflows/rlvr.py `rl_loop` uses the same rule)."""
+    return iteration % eval_every == 0 or iteration == last
+
+
+@task(task_config=ray_job("fused"), **task_resources("fused"))
+def fused_iterations(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, first: int,
+                     count: int, last: int, eval_every: int) -> FusedOut:
+    """Iterations first..first+count-1 from `policy`; returns the last policy, the accuracy of the
+    last evaluation in the chunk (-1.0 when none), and the last iteration's scored table."""
+    accuracy, samples = -1.0, pd.DataFrame()
+    for it in range(first, first + count):
+        batch = _between_tasks(rollout.task_function(spec=spec, policy=policy, dataset=dataset, iteration=it))
+        samples = _between_tasks(score.task_function(spec=spec, batch=batch, iteration=it))
+        full = _between_tasks(reference_forward.task_function(spec=spec, batch=samples, policy=policy,
+                                                              reference=reference, iteration=it))
+        checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it)
+        policy = publish_weights.task_function(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset,
+                                               iteration=it)
+        if evaluates(it, last, eval_every):
+            accuracy = evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
+    return FusedOut(policy=policy, accuracy=accuracy, samples=samples)

@@ -1,0 +1,56 @@
+"""infra/ray_cluster.py: the local per-task Ray cluster (FLYROLL_RAY=per-task) has the nodes its
+RayJobConfig declares, is gone after the task, and is never found by another `ray.init()` on the
+machine (a concurrent run's shared instance, a test's `ray.init(num_cpus=...)`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flytekit import Resources
+from flytekitplugins.ray import HeadNodeConfig, WorkerNodeConfig
+
+from infra.ray_cluster import FlyrollRayJobConfig, node_shapes, ray_mode, task_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job() -> FlyrollRayJobConfig:
+    pod = Resources(cpu="1", mem="1Gi")
+    return FlyrollRayJobConfig(role="training", head_node_config=HeadNodeConfig(requests=pod, ray_start_params={"num-cpus": "2"}),
+                               worker_node_config=[WorkerNodeConfig(group_name="w", replicas=2, requests=pod)])
+
+
+def test_node_shapes_follow_the_job():
+    assert node_shapes(_job()) == [("head", 2.0, 0.0), ("w-0", 1.0, 0.0), ("w-1", 1.0, 0.0)]
+
+
+def test_ray_mode_refuses_an_unknown_value(monkeypatch):
+    monkeypatch.setenv("FLYROLL_RAY", "fused")
+    with pytest.raises(ValueError, match=r"FLYROLL_RAY='fused'; expected one of \['shared', 'per-task'\]"):
+        ray_mode()
+
+
+@pytest.mark.timeout(300)
+def test_task_cluster_has_the_declared_nodes_and_cannot_be_found_by_another_init(tmp_path):
+    import ray
+
+    from ray._private.services import find_bootstrap_address
+
+    with task_cluster(_job(), "training") as cluster:
+        assert ray.is_initialized()
+        assert sorted(n["Resources"].get("CPU") for n in ray.nodes() if n["Alive"]) == [1.0, 1.0, 2.0]
+        assert ray.cluster_resources()["CPU"] == 4.0
+        assert find_bootstrap_address(None) != cluster.address   # the default temp dir does not name it
+        # another process's plain ray.init() starts its own instance instead of joining this cluster
+        probe = ("import ray; ray.init(num_cpus=1, include_dashboard=False); "
+                 "print(len(ray.nodes()), ray.cluster_resources()['CPU']); ray.shutdown()")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == ["1", "1.0"], out.stdout
+    assert not ray.is_initialized() and "RAY_ADDRESS" not in os.environ
