@@ -22,7 +22,9 @@ What runs (docs/benchmarks.md has the full story and the results):
   its training model and syncs nothing). Workers: benchmarks/flyroll_grpo_step.py,
   benchmarks/trl_grpo_step.py.
 - `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
-  same batch, and its per-stage timings from MLflow (infra/bench_pipeline.py).
+  same batch, once per local Ray mode of `--pipeline-modes` (shared, per-task, fused), and its
+  per-stage timings from MLflow, with orchestration and Ray cluster start per mode side by side
+  (infra/bench_pipeline.py).
 
 Before and after the comparison, benchmarks/box_probe.py measures the machine as it is then (GEMM
 rate, memory bandwidth, page-fault cost): a shared VM's speed drifts over a day, and not alike for
@@ -359,6 +361,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="also run the Flyte workflow for N iterations per model and report its per-stage breakdown")
     ap.add_argument("--pipeline-models", default="tiny", help="models for --pipeline (comma list)")
     ap.add_argument("--pipeline-engines", default="hf", help="rollout engines for --pipeline (comma list)")
+    ap.add_argument("--pipeline-modes", "--modes", default="shared,per-task,fused",
+                    help="local Ray modes for --pipeline, run one after the other on the same config (comma list): shared "
+                         "(FLYROLL_RAY=shared, one Ray for the run), per-task (FLYROLL_RAY=per-task, a cluster per stage task), "
+                         "fused (loop.fuse: N, all N iterations in one task, with FLYROLL_RAY=per-task: the cluster shape, so "
+                         "it compares with per-task); a table puts their wall, compute, orchestration and Ray start side by side")
     ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the temporary folder (models, worker logs, pipeline runs); kept anyway when something failed")
@@ -369,6 +376,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for eng in args.engines.split(",") + args.pipeline_engines.split(","):
         if eng not in ("hf", "vllm"):
             ap.error(f"--engines/--pipeline-engines: unknown engine {eng!r} (expected hf or vllm)")
+    for mode in args.pipeline_modes.split(","):
+        if mode not in ("shared", "per-task", "fused"):
+            ap.error(f"--pipeline-modes: unknown mode {mode!r} (expected shared, per-task or fused)")
     if args.batches < 1:
         ap.error(f"--batches: {args.batches} (expected >= 1)")
     return args
@@ -435,8 +445,9 @@ def cli_main(argv: list[str]) -> int:
             for eng in args.pipeline_engines.split(","):
                 if eng == "vllm" and "vllm" not in pythons:
                     continue
-                pipeline.append(run_pipeline(name, *model_dirs[name], eng, args, workdir))
-                dump()
+                for mode in args.pipeline_modes.split(","):
+                    pipeline.append(run_pipeline(name, *model_dirs[name], eng, args, workdir, mode))
+                    dump()
         print_pipeline(pipeline, rows)
     load_end = os.getloadavg()
     print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")

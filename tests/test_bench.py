@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infra.bench import parse_args, ratio, summarise, with_ratios
-from infra.bench_pipeline import iteration_breakdown, mean_breakdown
+from infra.bench_pipeline import iteration_breakdown, mean_breakdown, mode_rows
 
 
 def test_bench_help_lists_the_options():
@@ -192,6 +192,49 @@ def test_mean_breakdown_shares_sum_to_one():
     assert m["samples_per_s"] == pytest.approx(64 / 10.5)
     shares = [v for k, v in m.items() if k.endswith("_share")]
     assert len(shares) == 6 and sum(shares) == pytest.approx(1.0)
+
+
+def _mode_points(ray_starts: dict[str, dict[int, float]]):
+    # two iterations, the same stage ends and seconds in every mode; only the Ray start points differ
+    pts = {k: v for k, v in _points().items() if k != "evaluation"}
+    pts = {s: {i: p for i, p in v.items() if i <= 2} for s, v in pts.items()} | {"evaluation": {0: (100.0, 5.0)}}
+    return pts | {f"{s}_ray_start": {i: (0.0, v) for i, v in by_it.items()} for s, by_it in ray_starts.items()}
+
+
+def test_modes_side_by_side_count_a_fused_cluster_once():
+    stages = ("rollout", "scoring", "reference", "training", "weight_sync")
+    per_task = {s: {1: 0.4 + k / 10, 2: 0.3 + k / 10} for k, s in enumerate(stages)}  # a cluster per stage task
+    fused = {s: {1: 1.2, 2: 1.2} for s in stages}  # one cluster for the chunk: every stage logs its start
+    results = [{"model": "tiny", "engine": "hf", "mode": m, "per_iteration": iteration_breakdown(_mode_points(r))}
+               for m, r in (("shared", {}), ("per-task", per_task), ("fused", fused))]
+    results.append({"model": "tiny", "engine": "hf", "mode": "fused", "error": "pyflyte exited 1"})
+    rows = {(r["mode"], r.get("iterations")): r for r in mode_rows(results)}
+    # the same stage points in every mode: wall 10 / 11 s, compute 7.5 s, orchestration 2.5 / 3.5 s
+    for mode in ("shared", "per-task", "fused"):
+        assert rows[mode, "1"]["wall_s"] == pytest.approx(10.0) and rows[mode, "2"]["wall_s"] == pytest.approx(11.0)
+        assert rows[mode, "1-2"]["compute_s"] == pytest.approx(7.5)
+        assert rows[mode, "1-2"]["orchestration_s"] == pytest.approx(3.0)
+    assert rows["shared", "1"]["ray_start_s"] == 0.0 and rows["shared", "2"]["other_s"] == pytest.approx(3.5)
+    # per-task: five clusters an iteration, 0.4 + 0.5 + ... + 0.8 = 3.0 s, then 0.3 + ... + 0.7 = 2.5 s
+    assert rows["per-task", "1"]["ray_start_s"] == pytest.approx(3.0)
+    assert rows["per-task", "2"]["ray_start_s"] == pytest.approx(2.5)
+    assert rows["per-task", "2"]["other_s"] == pytest.approx(1.0)
+    assert rows["per-task", "1-2"]["ray_start_s"] == pytest.approx(2.75)
+    # fused: one 1.2 s start, on iteration 1's clock (not 5 x 1.2, not again in iteration 2); 0.6 s spread over 2
+    assert rows["fused", "1"]["ray_start_s"] == pytest.approx(1.2)
+    assert rows["fused", "1"]["other_s"] == pytest.approx(2.5 - 1.2)
+    assert rows["fused", "2"]["ray_start_s"] == 0.0
+    assert rows["fused", "1-2"]["ray_start_s"] == pytest.approx(0.6)
+    assert rows["fused", None]["error"] == "pyflyte exited 1"
+    assert len(rows) == 10
+
+
+def test_pipeline_modes_are_checked():
+    assert parse_args(["--pipeline", "2"]).pipeline_modes == "shared,per-task,fused"
+    assert parse_args(["--modes", "fused"]).pipeline_modes == "fused"
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--modes", "shared,ray"])
+    assert e.value.code == 2
 
 
 def test_gpu_mfu_smoke_runs_on_cpu(capsys):
