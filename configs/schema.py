@@ -237,6 +237,10 @@ class LoopConfig(_Section):
     fuse: int = Field(1, ge=1, le=1000, description="Iterations per Flyte task (workflows/rlvr.py): 1 = each stage its own task on its own Ray cluster; N > 1 = N iterations, with their evaluations, inside one task on one Ray cluster that holds every stage's nodes (tasks/fused.py): engines stay warm and the generators take each new policy in place, while every iteration still publishes its policy and rollout table and logs its MLflow child run. It does not change results, so it is left out of the run's config hash: a run may be resumed with another value.")
 
 
+class PipelineConfig(_Section):
+    off_policy_steps: int = Field(0, ge=0, le=16, description="Asynchronous generation: iteration i's rollout samples with the policy published k = off_policy_steps iterations before the one it trains (version i-1-k, not before the run's starting policy), so the rollout of iteration i+1 does not wait for iteration i's update and runs beside it (on a Flyte cluster as its own task; in one box within a fused task, loop.fuse). Every row's policy_version names the policy that sampled it (rollout/staleness logs the lag) and the update corrects the lag with truncated importance sampling, so k > 0 needs algorithm.tis_cap. 0 = synchronous (on-policy).")
+
+
 class FlyrollConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and tracking.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy and reference models.")
@@ -247,12 +251,21 @@ class FlyrollConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Actor optimisation.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Per-role resources and which roles share devices (infra/resources.py turns it into task Resources, Ray worker groups and actor options).")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="How generation overlaps training (workflows/rlvr.py).")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
 
     @model_validator(mode="after")
     def _check(self) -> "FlyrollConfig":
         from engines.synthetic import DOMAINS
 
+        if self.pipeline.off_policy_steps > 0:
+            if self.env is not None:
+                raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps}: asynchronous generation "
+                                 "is built for workflows/rlvr.py; the agentic workflow (env set) samples on-policy: set 0")
+            if self.algorithm.tis_cap is None:
+                raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps} samples with a policy "
+                                 f"{self.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
+                                 "the update corrects it with truncated importance sampling")
         if self.loop.fuse > 1 and self.env is not None:
             raise ValueError(f"loop.fuse={self.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
                              "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")

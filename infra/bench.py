@@ -365,7 +365,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="local Ray modes for --pipeline, run one after the other on the same config (comma list): shared "
                          "(FLYROLL_RAY=shared, one Ray for the run), per-task (FLYROLL_RAY=per-task, a cluster per stage task), "
                          "fused (loop.fuse: N, all N iterations in one task, with FLYROLL_RAY=per-task: the cluster shape, so "
-                         "it compares with per-task); a table puts their wall, compute, orchestration and Ray start side by side")
+                         "it compares with per-task), async (not in the default: fused with pipeline.off_policy_steps 1, "
+                         "the next rollout beside the update; compare with fused); a table puts their wall, compute, "
+                         "orchestration and Ray start side by side")
     ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the temporary folder (models, worker logs, pipeline runs); kept anyway when something failed")
@@ -377,8 +379,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if eng not in ("hf", "vllm"):
             ap.error(f"--engines/--pipeline-engines: unknown engine {eng!r} (expected hf or vllm)")
     for mode in args.pipeline_modes.split(","):
-        if mode not in ("shared", "per-task", "fused"):
-            ap.error(f"--pipeline-modes: unknown mode {mode!r} (expected shared, per-task or fused)")
+        if mode not in ("shared", "per-task", "fused", "async"):
+            ap.error(f"--pipeline-modes: unknown mode {mode!r} (expected shared, per-task, fused or async)")
     if args.batches < 1:
         ap.error(f"--batches: {args.batches} (expected >= 1)")
     return args

@@ -22,7 +22,9 @@ threads): `shared` (FLYROLL_RAY=shared: one local Ray for the run, engine actors
 `per-task` (FLYROLL_RAY=per-task: each stage task starts and stops its own cluster,
 infra/ray_cluster.py) and `fused` (`loop.fuse: N`, all N iterations in one task, tasks/fused.py,
 with FLYROLL_RAY=per-task so that its one cluster has the per-task shape and it compares with
-`per-task`). A second table puts them side by side, per mode for iteration 1, the mean of 2..N and
+`per-task`); opt-in `async` is `fused` with `pipeline.off_policy_steps: 1` (the next rollout runs in
+a thread beside the update, so stage seconds overlap and orchestration can come out negative;
+compare its wall and samples/s with `fused`). A second table puts them side by side, per mode for iteration 1, the mean of 2..N and
 the mean of 1..N: wall, compute (the five stage bodies), orchestration (wall - compute) and, within
 orchestration, the Ray cluster start seconds on that iteration's clock (`timing/<stage>_ray_start_s`,
 logged in per-task mode; 0 in shared mode; a fused chunk's one start is counted once, on the chunk's
@@ -43,9 +45,12 @@ import time
 from pathlib import Path
 
 STAGES = ("rollout", "scoring", "reference", "training", "weight_sync")
-# --pipeline-modes: mode -> (FLYROLL_RAY, fused). `fused` runs every iteration in one task
-# (loop.fuse: N) on the per-task cluster shape, so it is compared with `per-task`.
-MODES = {"shared": ("shared", False), "per-task": ("per-task", False), "fused": ("per-task", True)}
+# --pipeline-modes: mode -> (FLYROLL_RAY, fused, pipeline.off_policy_steps). `fused` runs every
+# iteration in one task (loop.fuse: N) on the per-task cluster shape, so it is compared with
+# `per-task`; `async` is `fused` with off_policy_steps 1 (and algorithm.tis_cap 2.0): the next
+# iteration's rollout runs beside the update (tasks/fused.py), so it is compared with `fused`.
+MODES = {"shared": ("shared", False, 0), "per-task": ("per-task", False, 0), "fused": ("per-task", True, 0),
+         "async": ("per-task", True, 1)}
 
 
 def cluster_starts(points: dict[str, dict[int, tuple[float, float]]], iterations: list[int]) -> dict[int, float]:
@@ -152,9 +157,11 @@ def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, ou
         "data": {"train_size": 256, "eval_size": 8},
         "rollout": {"engine": engine, "prompts_per_iteration": b, "samples_per_prompt": g, "temperature": 1.0,
                     "max_new_tokens": args.max_new, "micro_batch": b * g},
-        "algorithm": {"advantage": "grpo", "kl_coef": 0.001},  # the preset's KL: the reference stage does its real work
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.001,  # the preset's KL: the reference stage does its real work
+                      **({"tis_cap": 2.0} if MODES[mode][2] else {})},
         "training": {"lr": args.lr, "mini_batch_size": b * g, "max_tokens_per_micro_batch": args.micro_tokens},
         "loop": {"iterations": args.pipeline, "eval_every": 1_000_000, "fuse": fuse},  # evaluate at the start and the end only
+        "pipeline": {"off_policy_steps": MODES[mode][2]},
     }
 
 
@@ -243,4 +250,6 @@ def print_modes(results: list[dict]) -> None:
     Console(width=max(150, shutil.get_terminal_size().columns)).print(t)
     print("modes: shared = one local Ray for the run; per-task = each stage task starts and stops its own cluster; "
           "fused = loop.fuse: N (all iterations in one task) on the per-task cluster shape, one cluster start, counted "
-          "on iteration 1 (the 1-N row spreads it over the chunk)")
+          "on iteration 1 (the 1-N row spreads it over the chunk); async = fused with pipeline.off_policy_steps 1: the "
+          "next rollout runs beside the update, so its stage seconds overlap and orchestration (wall - their sum) can "
+          "be negative")

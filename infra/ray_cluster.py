@@ -88,6 +88,15 @@ def task_cluster(job: RayJobConfig, role: str):
     # any `ray.init()` without an address on this machine would then join this cluster (another run's
     # shared instance, a test's ray.init(num_cpus=...)), and fail once it is gone
     temp_dir = tempfile.mkdtemp(prefix="flyroll-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    # token authentication as ray.init() sets it up for a new cluster (on unless RAY_AUTH_MODE says
+    # otherwise; a token in ~/.ray created when missing): `Cluster` does neither, and with
+    # RAY_AUTH_MODE=token in the environment (any earlier ray.init() in this process sets it) but no
+    # token, its GCS never came up ("Timed out waiting for file .../gcs_server_port_...")
+    from ray._private.authentication.authentication_token_setup import (enable_token_auth_by_default,
+                                                                        ensure_token_if_auth_enabled)
+
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
     cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
     try:
         for name, cpu, gpu in shapes:

@@ -12,6 +12,12 @@ those of the unfused loop, and with the same seeds the results are the same
 
 Between stages the rollout table goes through parquet, as it does between tasks (Flyte's
 StructuredDataset), so every stage reads exactly the table it would read unfused.
+
+With `pipeline.off_policy_steps` > 0 the next iteration's sampler is published before this
+iteration's update starts, so the fused task samples the next iteration's rollout in a thread on
+the generation actors while this iteration scores, runs the reference forward and trains on the
+other actors: generation and training at the same time, each on its own cores. The rollout is
+waited for before an evaluation (which loads its policy into the same generation actors).
 """
 
 from __future__ import annotations
@@ -46,20 +52,58 @@ def evaluates(iteration: int, last: int, eval_every: int) -> bool:
     return iteration % eval_every == 0 or iteration == last
 
 
+def generator_policy(spec: RunSpec, origin: PolicyRef, versions: dict, iteration: int, lag: int) -> PolicyRef:
+    """The policy iteration `iteration`'s rollout samples with (`pipeline.off_policy_steps` = `lag`):
+    version iteration-1-lag -- the one its update starts from when lag is 0 -- but not older than
+    the run's `origin`; from `versions` (this loop's policies by version; Flyte promises in
+    workflows/rlvr.py) when there, else its published key (a resumed or chunked loop)."""
+    from tasks.training import policy_key
+
+    version = max(iteration - 1 - lag, origin.version)
+    if version in versions:
+        return versions[version]
+    if version == origin.version:
+        return origin
+    return PolicyRef(key=policy_key(spec, version), version=version)
+
+
 @task(task_config=ray_job("fused"), **task_resources("fused"))
-def fused_iterations(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, first: int,
-                     count: int, last: int, eval_every: int) -> FusedOut:
-    """Iterations first..first+count-1 from `policy`; returns the last policy, the accuracy of the
-    last evaluation in the chunk (-1.0 when none), and the last iteration's scored table."""
-    accuracy, samples = -1.0, pd.DataFrame()
-    for it in range(first, first + count):
-        batch = _between_tasks(rollout.task_function(spec=spec, policy=policy, dataset=dataset, iteration=it))
-        samples = _between_tasks(score.task_function(spec=spec, batch=batch, iteration=it))
-        full = _between_tasks(reference_forward.task_function(spec=spec, batch=samples, policy=policy,
-                                                              reference=reference, iteration=it))
-        checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it)
-        policy = publish_weights.task_function(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset,
-                                               iteration=it)
-        if evaluates(it, last, eval_every):
-            accuracy = evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
+def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef,
+                     first: int, count: int, last: int, eval_every: int) -> FusedOut:
+    """Iterations first..first+count-1 from `policy` (of the run that began at `origin`); returns the
+    last policy, the accuracy of the last evaluation in the chunk (-1.0 when none), and the last
+    iteration's scored table."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.common import config_of
+
+    lag = config_of(spec).pipeline.off_policy_steps
+    accuracy, samples, versions = -1.0, pd.DataFrame(), {policy.version: policy}
+
+    def sample(it: int):
+        generator = generator_policy(spec, origin, versions, it, lag)
+        return generator, _between_tasks(rollout.task_function(spec=spec, policy=generator, dataset=dataset, iteration=it))
+
+    # with a lag the next iteration's sampler is already published, so its rollout runs on the
+    # generation actors while this iteration scores, runs the reference forward and trains
+    ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyroll-rollout") if lag > 0 else None
+    pending = None  # the next iteration's rollout (a Future), sampled ahead
+    try:
+        for it in range(first, first + count):
+            generator, batch = pending.result() if pending is not None else sample(it)
+            pending = ahead.submit(sample, it + 1) if ahead is not None and it + 1 < first + count else None
+            samples = _between_tasks(score.task_function(spec=spec, batch=batch, iteration=it))
+            full = _between_tasks(reference_forward.task_function(spec=spec, batch=samples, policy=policy,
+                                                                  reference=reference, iteration=it, generator=generator))
+            checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it)
+            policy = publish_weights.task_function(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset,
+                                                   iteration=it)
+            versions[it] = policy
+            if evaluates(it, last, eval_every):
+                if pending is not None:
+                    pending.result()  # the evaluation loads its policy into the same generation actors
+                accuracy = evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
+    finally:
+        if ahead is not None:
+            ahead.shutdown(wait=True, cancel_futures=True)
     return FusedOut(policy=policy, accuracy=accuracy, samples=samples)

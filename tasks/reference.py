@@ -15,6 +15,8 @@ keeps the same columns either way."""
 
 from __future__ import annotations
 
+import typing
+
 import pandas as pd
 import ray
 from flytekit import task
@@ -27,9 +29,11 @@ from tasks.workers import ReferenceWorker
 
 
 @task(task_config=ray_job("reference"), **task_resources("reference"))
-def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, reference: PolicyRef, iteration: int) -> pd.DataFrame:
+def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, reference: PolicyRef, iteration: int,
+                      generator: typing.Optional[PolicyRef] = None) -> pd.DataFrame:
     """Adds `ref_logprobs`, `old_logprobs` and, with a critic, `values` (lists aligned with
-    `response_token_ids`)."""
+    `response_token_ids`). `policy` is the one the update starts from; `generator` the one that
+    sampled the batch when that is an older version (pipeline.off_policy_steps; None = `policy`)."""
     import numpy as np
 
     check_columns(batch, "rollout", "scoring", at="entering reference_forward")
@@ -69,7 +73,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
             metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
             if "policy" in models:  # else old is the behaviour column itself (the trainer measures it)
                 metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
-        publish_rollout_table(spec, df, policy, iteration, reference.key if "reference" in models else None)
+        publish_rollout_table(spec, df, generator or policy, iteration, reference.key if "reference" in models else None,
+                              trainer=policy)
     return df
 
 
@@ -83,11 +88,13 @@ def with_logprobs(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list, v
     return df
 
 
-def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, iteration: int, reference: str | None = None) -> str:
+def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, iteration: int, reference: str | None = None,
+                          trainer: PolicyRef | None = None) -> str:
     """The complete rollout table of an iteration as a versioned artifact, first parent = the policy
     that sampled it, so any sample can be traced to the model version that produced it; `reference`
     (the key of the model behind `ref_logprobs`, None when no reference forward ran) is the second
-    parent and `metadata.reference`."""
+    parent and `metadata.reference`; `trainer`, the policy the update starts from, when another
+    (off-policy generation), is the last parent and `metadata.trained_from`."""
     import os
     import tempfile
 
@@ -98,7 +105,10 @@ def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, it
             path = os.path.join(d, "rollout.parquet")
             df.to_parquet(path, index=False)
             parents = [policy.key] + ([reference] if reference and reference != policy.key else [])
+            trained_from = trainer.key if trainer is not None and trainer.key != policy.key else None
+            parents += [trained_from] if trained_from and trained_from not in parents else []
             store.publish_file(path, key, kind="rollout", producer="reference_forward", parents=parents,
                                execution_id=execution_id(),
-                               metadata={"iteration": iteration, "rows": len(df), "reference": reference})
+                               metadata={"iteration": iteration, "rows": len(df), "reference": reference,
+                                         **({"trained_from": trained_from} if trained_from else {})})
     return key

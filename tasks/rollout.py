@@ -157,6 +157,7 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
     r = cfg.rollout
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
+        metrics["rollout/staleness"] = float(iteration - 1 - policy.version)  # updates behind the trainer's policy
         train = read_table(spec, dataset.train_key)
         if cfg.data.domain_weights:  # per-domain quotas every batch (ROLL's domain_interleave_probs)
             from engines.datasets import mix_domains, realised_mix, split_by_domain

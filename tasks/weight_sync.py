@@ -55,7 +55,8 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         # live path: the generators on this process's Ray cluster take the new weights in place -- a
         # local run's shared instance, or the one cluster of fused iterations (tasks/fused.py); not a
         # per-task stage's cluster, which is gone by now (this task is not a Ray task)
-        if ray.is_initialized():
+        # (with pipeline.off_policy_steps the generators serve an older version: each rollout loads its own)
+        if ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0:
             try:
                 from tasks.rollout import generation_pool
 

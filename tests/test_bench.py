@@ -232,6 +232,7 @@ def test_modes_side_by_side_count_a_fused_cluster_once():
 def test_pipeline_modes_are_checked():
     assert parse_args(["--pipeline", "2"]).pipeline_modes == "shared,per-task,fused"
     assert parse_args(["--modes", "fused"]).pipeline_modes == "fused"
+    assert parse_args(["--modes", "fused,async"]).pipeline_modes == "fused,async"
     with pytest.raises(SystemExit) as e:
         parse_args(["--modes", "shared,ray"])
     assert e.value.code == 2

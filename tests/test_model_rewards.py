@@ -150,7 +150,7 @@ def test_score_task_routes_domains_to_the_reward_model_and_the_judge(ray_local, 
     qa = ["good", "bad", "good", "good", "bad", "good"]
     rows = ([("chat", p, r, None) for p, r in zip(PROMPTS, RESPONSES)] + [("qa", f"{i}+{i}=", r, None) for i, r in enumerate(qa)]
             + [("arithmetic", "3+4=", "7", "7")])
-    df = pd.DataFrame([{"prompt_id": i, "group_id": f"1:{i // 2}", "sample_id": i % 2, "domain": d, "prompt": p,
+    df = pd.DataFrame([{"prompt_id": f"train-{i}", "group_id": f"1:{i // 2}", "sample_id": i % 2, "domain": d, "prompt": p,
                         "answer": a, "prompt_token_ids": [1], "response": r, "response_token_ids": [1, 2],
                         "behaviour_logprobs": [0.0, 0.0], "finish_reason": "stop", "policy_version": 0}
                        for i, (d, p, r, a) in enumerate(rows)])

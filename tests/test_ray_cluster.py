@@ -54,3 +54,20 @@ def test_task_cluster_has_the_declared_nodes_and_cannot_be_found_by_another_init
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split() == ["1", "1.0"], out.stdout
     assert not ray.is_initialized() and "RAY_ADDRESS" not in os.environ
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("auth_mode", ["token", None])
+def test_task_cluster_starts_with_or_without_token_auth_and_no_token_yet(tmp_path, auth_mode):
+    """RAY_AUTH_MODE=token in the environment (what any earlier ray.init() in a process leaves there)
+    with a fresh HOME (no ~/.ray token): the cluster still starts, as ray.init() would."""
+    probe = ("import ray\nfrom tests.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
+             "with task_cluster(_job(), 'training'):\n    print('cpus', ray.cluster_resources()['CPU'])\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(tmp_path),
+           "RAY_gcs_server_port_wait_time_s": "15"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)
+    if auth_mode:
+        env["RAY_AUTH_MODE"] = auth_mode
+    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "cpus 4.0" in out.stdout, out.stderr[-3000:]

@@ -2,7 +2,9 @@
 
 The run has a Ray cluster per task (FLYROLL_RAY=per-task, the path a Flyte cluster runs;
 infra/ray_cluster.py): resume reads only the store and MLflow, the same in either local Ray mode, and
-the shared mode's rerun is tests/test_workflow.py's. The run is the e2e config with 4 iterations (local store, SQLite MLflow) and a reward that pauses
+the shared mode's rerun is tests/test_workflow.py's. It generates asynchronously
+(pipeline.off_policy_steps: 1), so the rerun's first rollout samples with a version older than the
+one it resumes from. The run is the e2e config with 4 iterations (local store, SQLite MLflow) and a reward that pauses
 once, in the first scoring after v0002 is published -- iteration 3, after its rollout stage logged
 its metrics (a partial step 3). The test waits for that pause, then SIGKILLs the whole process group
 (pyflyte, its Ray instance and actors). The rerun resumes from v0002; after
@@ -40,7 +42,10 @@ def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None
     """SIGKILL the run's process group, then any descendant seen while it ran that left the group
     (Ray starts some of its daemons in their own sessions)."""
     known.update({p.pid: p for p in _descendants(proc.pid)})
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the run already ended (the test then reports how)
+        pass
     proc.wait(timeout=30)
     for p in known.values():
         try:
@@ -78,7 +83,10 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
     from configs.schema import load_config
 
     reward = "tests.test_resume:pausing_starts_with_digit"
-    config = _config(tmp_path, loop={"iterations": 4, "eval_every": 2},
+    # with asynchronous generation (each rollout samples with the policy one version behind its
+    # update): the rerun's iteration 3 must sample with v0001 again, from the store
+    config = _config(tmp_path, loop={"iterations": 4, "eval_every": 2}, pipeline={"off_policy_steps": 1},
+                     algorithm={"tis_cap": 2.0},
                      reward={"functions": {"arithmetic": reward, "reverse": reward}, "timeout_s": 120})
     cfg = load_config(config)
     run_id = f"{cfg.run.name}-{cfg.hash()}"
@@ -122,6 +130,12 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
         assert store.manifest(newer).parents == [older]
     rollouts = [k for k in store.list("runs") if "/rollouts/" in k]
     assert [k.rsplit("/", 1)[-1] for k in rollouts] == ["i0001", "i0002", "i0003", "i0004"]
+    import pandas as pd
+
+    tables = [pd.read_parquet(f"{store.fetch(k, str(tmp_path / 'r' / k))}/rollout.parquet") for k in rollouts]
+    assert [len(t) for t in tables] == [cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt] * 4
+    assert [sorted(set(t["policy_version"])) for t in tables] == [[0], [0], [1], [2]]   # one version behind
+    assert store.manifest(rollouts[2]).parents[0] == policies[0]                          # i0003 sampled by v0001
 
     c, runs = _parent_run(tracking_uri)
     assert len(runs) == 1, [r.info.run_name for r in runs]

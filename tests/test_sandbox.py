@@ -228,14 +228,17 @@ def test_network_connection_is_refused(loopback_server):
     assert hits == []
 
 
-def test_network_namespace_holds_without_the_audit_hook(loopback_server):
+def test_network_namespace_holds_without_the_audit_hook(loopback_server, tmp_path):
     """The kernel layer alone (no audit hook): the loopback server is unreachable."""
     iso = isolation()
     if not iso.pidns:
         pytest.skip(f"no network namespace on this host (mode {iso.mode})")
     port, hits = loopback_server
     code = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)"
-    r = subprocess.run([*iso.prefix, sys.executable, "-I", "-c", code], capture_output=True, timeout=10, text=True)
+    # the isolation's full command for a work dir (with bwrap: the interpreter's install bound back
+    # when it lives under the private /tmp, as a CI clone's venv may)
+    r = subprocess.run([*iso.command(str(tmp_path)), sys.executable, "-I", "-c", code], capture_output=True, timeout=10,
+                       text=True)
     assert r.stdout.startswith("refused"), r
     assert hits == []
 

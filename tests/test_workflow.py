@@ -236,6 +236,48 @@ def test_fused_iterations_give_the_same_run_in_one_task(e2e_run, tmp_path):
     assert_same_run(shared_tmp, tmp_path)
 
 
+@pytest.mark.slow
+def test_off_policy_generation_lags_one_version_and_is_corrected(tmp_path):
+    """pipeline.off_policy_steps: 1 -- iteration i's rollout samples with v(i-2) while the update
+    starts from v(i-1): every row names its sampler, the lag is logged, the update's truncated
+    importance weights differ from 1 exactly where the sampler lagged, and each rollout table's
+    lineage names the sampler first and the policy it trained as `trained_from`. Fused (loop.fuse 3),
+    so the next rollout runs in a thread beside the update (tasks/fused.py); the unfused path runs
+    with a lag in tests/test_resume.py."""
+    import pandas as pd
+
+    from infra.store import ArtifactStore
+
+    config = _config(tmp_path, pipeline={"off_policy_steps": 1}, algorithm={"tis_cap": 2.0},
+                     loop={"iterations": 3, "eval_every": 3, "fuse": 3})
+    proc = _pyflyte_run(tmp_path, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    store = ArtifactStore(str(tmp_path / "runs" / "store"))
+    keys = sorted(k for k in store.list("runs") if "/rollouts/" in k)
+    versions = [sorted(set(pd.read_parquet(f"{store.fetch(k, str(tmp_path / 'r' / k))}/rollout.parquet")["policy_version"]))
+                for k in keys]
+    assert versions == [[0], [0], [1]], versions
+    c, run = _mlflow(tmp_path)
+    history = lambda key: sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, key))  # noqa: E731
+    assert history("rollout/staleness") == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    tis = dict(history("actor/tis_weight_mean"))
+    assert sorted(tis) == [1, 2, 3]
+    assert abs(tis[1] - 1.0) < 1e-3 and abs(tis[2] - 1.0) > 1e-3 and abs(tis[3] - 1.0) > 1e-3, tis
+    policies = sorted(k for k in store.list("runs") if "/policy/" in k)
+    second = store.manifest(keys[1])
+    assert second.parents[0].startswith("models/") and second.parents[-1] == policies[0]   # sampled by v0, trained v1
+    assert second.metadata["trained_from"] == policies[0]
+    third = store.manifest(keys[2])
+    assert third.parents[0] == policies[0] and third.parents[-1] == policies[1]
+
+
+def test_off_policy_generation_needs_truncated_importance_sampling(tmp_path):
+    from configs.schema import load_config
+
+    with pytest.raises(ValueError, match=r"pipeline.off_policy_steps=1 .* set algorithm.tis_cap"):
+        load_config(_config(tmp_path, pipeline={"off_policy_steps": 1}))
+
+
 def test_loop_fuse_is_left_out_of_the_config_hash(tmp_path):
     """A run may be resumed fused or not (same run id); every other setting still changes the hash."""
     from configs.schema import load_config

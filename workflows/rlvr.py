@@ -23,7 +23,7 @@ from flytekit import dynamic, workflow
 from infra.resources import task_resources
 from tasks.common import config_of
 from tasks.evaluation import evaluate, finalize
-from tasks.fused import evaluates, fused_iterations
+from tasks.fused import evaluates, fused_iterations, generator_policy
 from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
@@ -42,37 +42,49 @@ LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", floa
 
 
 @workflow
-def rl_iteration(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, iteration: int) -> IterationOut:
-    batch = rollout(spec=spec, policy=policy, dataset=dataset, iteration=iteration)            # B x G samples
+def rl_iteration(spec: RunSpec, policy: PolicyRef, generator: PolicyRef, reference: PolicyRef, dataset: DatasetRef,
+                 iteration: int) -> IterationOut:
+    """Update `policy` on samples from `generator` (= `policy`, or an older version with
+    pipeline.off_policy_steps; a Flyte cluster then runs this rollout beside the previous update)."""
+    batch = rollout(spec=spec, policy=generator, dataset=dataset, iteration=iteration)         # B x G samples
     scored = score(spec=spec, batch=batch, iteration=iteration)                                 # + reward (DAPO: in rollout)
-    full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration)  # + ref/old log-probs
+    full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration, generator=generator)
     checkpoint = train(spec=spec, batch=full, policy=policy, iteration=iteration)              # actor update
     new_policy = publish_weights(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset, iteration=iteration)
     return IterationOut(policy=new_policy, samples=scored)
 
 
 @dynamic(**task_resources("weight_sync"))
-def rl_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int, eval_every: int) -> LoopOut:
+def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int,
+            eval_every: int) -> LoopOut:
+    """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`."""
+    cfg = config_of(spec)
     policy, samples = start, pd.DataFrame()
     accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
-    fuse = config_of(spec).loop.fuse
+    versions = {start.version: start}  # the policies this node has, for generators that lag (off_policy_steps)
     it = start.version + 1
     while it <= end:
-        if fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
-            n = min(fuse, end - it + 1)
-            policy, chunk_accuracy, samples = fused_iterations(spec=spec, policy=policy, reference=reference, dataset=dataset,
-                                                               first=it, count=n, last=last, eval_every=eval_every)
+        if cfg.loop.fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
+            n = min(cfg.loop.fuse, end - it + 1)
+            policy, chunk_accuracy, samples = fused_iterations(spec=spec, origin=origin, policy=policy, reference=reference,
+                                                               dataset=dataset, first=it, count=n, last=last,
+                                                               eval_every=eval_every)
             if any(evaluates(i, last, eval_every) for i in range(it, it + n)):
                 accuracy = chunk_accuracy
             it += n
+            versions[it - 1] = policy
             continue
-        policy, samples = rl_iteration(spec=spec, policy=policy, reference=reference, dataset=dataset, iteration=it)
+        generator = generator_policy(spec, origin, versions, it, cfg.pipeline.off_policy_steps)
+        policy, samples = rl_iteration(spec=spec, policy=policy, generator=generator, reference=reference,
+                                       dataset=dataset, iteration=it)
+        versions[it] = policy
         if evaluates(it, last, eval_every):
             accuracy = evaluate(spec=spec, policy=policy, dataset=dataset)
         it += 1
     if end < last:
-        return rl_loop(spec=spec, start=policy, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
+        return rl_loop(spec=spec, origin=origin, start=policy, reference=reference, dataset=dataset, last=last,
+                       eval_every=eval_every)
     return LoopOut(policy=policy, accuracy=accuracy, samples=samples)
 
 
@@ -86,6 +98,6 @@ def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
-    out = rl_loop(spec=spec, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
+    out = rl_loop(spec=spec, origin=base, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
 

@@ -116,7 +116,7 @@ def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
     dataset = make_dataset(spec=spec)                                     # the config's dataset snapshot
     start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
     _, eval_every = loop_bounds(spec=spec)
-    out = rl_loop(spec=spec, start=start, reference=start, dataset=dataset, last=iterations, eval_every=eval_every)
+    out = rl_loop(spec=spec, origin=start, start=start, reference=start, dataset=dataset, last=iterations, eval_every=eval_every)
     decision = promote(spec=spec, trained=out.policy, accuracy=out.accuracy, champion=start, dataset=dataset)
     final = finalize(spec=spec, policy=decision.trained, final_accuracy=out.accuracy, samples=out.samples)
     return RetrainOut(policy=final, champion=decision.champion, promoted=decision.promoted)
