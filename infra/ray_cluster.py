@@ -23,8 +23,8 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from unittest import mock
 from dataclasses import dataclass
+from unittest import mock
 
 from flytekit.core.context_manager import ExecutionParameters
 from flytekit.extend import TaskPlugins
@@ -79,8 +79,9 @@ def task_cluster(job: RayJobConfig, role: str):
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
+    from infra.ray_session import shutdown
+
+    shutdown()
     shapes = node_shapes(job)
     t0 = time.perf_counter()
     # its own Ray temp dir (session files and logs, removed after), and no entry in the machine's
@@ -114,14 +115,9 @@ def task_cluster(job: RayJobConfig, role: str):
         yield cluster
     finally:
         t1 = time.perf_counter()
-        if ray.is_initialized():
-            ray.shutdown()
+        shutdown()  # disconnect, forget this process's actor handles and RAY_ADDRESS
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-        os.environ.pop("RAY_ADDRESS", None)
-        from infra.ray_session import forget_handles
-
-        forget_handles()
         CURRENT.clear()
         console.print(f"[dim]ray per-task: {role} cluster shut down in {time.perf_counter() - t1:.1f}s[/]")
 

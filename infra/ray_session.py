@@ -46,11 +46,6 @@ def shared_local_ray() -> bool:
     return is_local_execution() and ray_mode() == "shared"
 
 
-def forget_handles() -> None:
-    """Drop this process's actor handles (their cluster is gone)."""
-    _HANDLES.clear()
-
-
 def ensure_ray() -> None:
     """Start/connect Ray when a task body runs outside the Ray plugin (e.g. unit tests)."""
     import ray
