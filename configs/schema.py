@@ -63,6 +63,20 @@ class SourceConfig(_Section):
     domain: str | None = Field(None, description="Domain label for every row of this source (routes the reward and names the per-domain metrics). Default: the source's own.")
     train_size: int | None = Field(None, ge=1, description="Rows this source contributes to the train split. Default: data.train_size (all rows for file/humaneval).")
     eval_size: int | None = Field(None, ge=1, description="Rows this source contributes to the eval split. Default: data.eval_size.")
+    settings: dict[str, dict] = Field(default_factory=dict, description="kind=reasoning_gym: keyword arguments per generator (its difficulty), e.g. {chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}}; keys must be in `names`. A generator refusing them fails the dataset task, naming it.")
+    shots: int = Field(0, ge=0, le=16, description="kind=reasoning_gym: 0 = each prompt is the question plus `instruction` (answer in <answer> tags). k > 0 = k solved examples of the same generator, then 'Question: ...\\nAnswer:'; the response is the text after it, so set rollout.stop to ['\\n']. For small models that continue a pattern but do not follow instructions yet.")
+    instruction: str | None = Field(None, description="kind=reasoning_gym: answer-format instruction. Default: 'Give only your final answer between <answer> and </answer> tags.' without shots, none with shots (placed before the examples when given).")
+
+    @model_validator(mode="after")
+    def _reasoning_gym_only(self) -> "SourceConfig":
+        given = [f for f in ("settings", "shots", "instruction")  # not model_fields_set: a to_json round trip sets every field
+                 if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True)]
+        if given and self.kind != "reasoning_gym":
+            raise ValueError(f"data.sources: {', '.join(given)} apply to kind 'reasoning_gym' only, not {self.kind!r}")
+        stray = sorted(set(self.settings) - set(self.names))
+        if stray:
+            raise ValueError(f"data.sources: settings for {stray}, which are not in names {list(self.names)}")
+        return self
 
 
 class DataConfig(_Section):
@@ -234,6 +248,7 @@ class EnvConfig(_Section):
 class LoopConfig(_Section):
     iterations: int = Field(12, ge=0, le=100_000, description="RL iterations in this run.")
     eval_every: int = Field(4, ge=1, description="Evaluate on the eval split every K iterations (and at 0 and at the end).")
+    eval_samples: int = Field(0, ge=0, le=64, description="0 = greedy evaluation only. k > 0 = also sample k responses per eval prompt (rollout.temperature, one fixed seed for every checkpoint) and log eval/pass@k and eval/sampled_accuracy (per domain and reasoning-gym generator too). Costs k x the greedy eval's generation.")
     fuse: int = Field(1, ge=1, le=1000, description="Iterations per Flyte task (workflows/rlvr.py): 1 = each stage its own task on its own Ray cluster; N > 1 = N iterations, with their evaluations, inside one task on one Ray cluster that holds every stage's nodes (tasks/fused.py): engines stay warm and the generators take each new policy in place, while every iteration still publishes its policy and rollout table and logs its MLflow child run. It does not change results, so it is left out of the run's config hash: a run may be resumed with another value.")
 
 

@@ -1,4 +1,5 @@
-"""Greedy evaluation of a policy on a table of verifiable prompts: accuracy per domain.
+"""Evaluation of a policy on a table of verifiable prompts: greedy accuracy and sampled pass@k, per
+domain and per reasoning-gym generator.
 
 Every row is scored by exactly the reward training gives it: `score_responses` goes through
 engines/rewards/routing.py `score_samples`, the function training's reward workers run, with the
@@ -15,6 +16,7 @@ so the mean reward is reported beside it (`reward`, `reward/<domain>`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import pandas as pd
 
@@ -33,13 +35,20 @@ def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = Fa
 
 
 def generate_responses(engine: GenerationEngine, tokenizer, table: pd.DataFrame, *, max_new_tokens: int,
-                       apply_chat_template: bool = False) -> pd.DataFrame:
-    """Greedy-decode every prompt of `table`: its rows (same order) plus `response`, `response_length`."""
+                       apply_chat_template: bool = False, stop: tuple[str, ...] = (), samples: int = 0,
+                       temperature: float = 1.0, seed: int = 0) -> pd.DataFrame:
+    """Responses to every prompt of `table`: one greedy response (samples=0), or `samples` responses
+    sampled at `temperature` with a fixed `seed` (every checkpoint is sampled with the same draws).
+    Returns the table's rows (prompt order, then sample order) plus `eval_index` (the prompt's
+    row), `sample_index`, `response`, `response_length`. `stop`: stop strings, as the rollout's."""
     ids = encode_prompts(tokenizer, table["prompt"].tolist(), apply_chat_template)
-    completions = engine.generate(ids, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
+    params = (SamplingParams(n=samples, temperature=temperature, max_new_tokens=max_new_tokens, stop=tuple(stop), seed=seed)
+              if samples else SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=tuple(stop)))
+    completions = engine.generate(ids, params)
     rows = []
-    for c in sorted(completions, key=lambda c: c.prompt_index):
-        rows.append({**table.iloc[c.prompt_index].to_dict(), "response": c.text, "response_length": len(c.token_ids)})
+    for c in sorted(completions, key=lambda c: (c.prompt_index, c.sample_index)):
+        rows.append({**table.iloc[c.prompt_index].to_dict(), "eval_index": c.prompt_index, "sample_index": c.sample_index,
+                     "response": c.text, "response_length": len(c.token_ids)})
     return pd.DataFrame(rows)
 
 
@@ -64,16 +73,50 @@ def score_responses(results: pd.DataFrame, *, routes: dict[str, str] | None = No
     return out
 
 
+def task_of(metadata) -> str | None:
+    """The generator that made a row (reasoning-gym's `rg_dataset`), read from a dict or its JSON text."""
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except ValueError:
+            return None
+    return metadata.get("rg_dataset") if isinstance(metadata, dict) else None
+
+
+def _groups(results: pd.DataFrame):
+    """(suffix, rows) per domain, and per domain/generator for rows that name their generator."""
+    for domain, grp in results.groupby("domain"):
+        yield f"/{domain}", grp
+    if "metadata" in results.columns:
+        tasks = results["metadata"].map(task_of)
+        for (domain, task), grp in results.groupby([results["domain"], tasks]):
+            yield f"/{domain}/{task}", grp
+
+
 def eval_metrics(results: pd.DataFrame) -> dict[str, float]:
-    """{"accuracy", "accuracy/<domain>", "reward", "reward/<domain>", "length"} of scored rows;
+    """{"accuracy", "reward", "length"} of scored greedy rows, and "accuracy/<domain>",
+    "reward/<domain>", plus "accuracy/<domain>/<generator>" for reasoning-gym rows;
     accuracy = share of rows with reward >= CORRECT_AT, reward = mean reward."""
     correct = results["reward"] >= CORRECT_AT
     metrics = {"accuracy": float(correct.mean()), "reward": float(results["reward"].mean()),
                "length": float(results["response_length"].mean())}
-    for domain, grp in results.groupby("domain"):
-        metrics[f"accuracy/{domain}"] = float((grp["reward"] >= CORRECT_AT).mean())
-        metrics[f"reward/{domain}"] = float(grp["reward"].mean())
+    for suffix, grp in _groups(results):
+        metrics[f"accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())
+        if suffix.count("/") == 1:
+            metrics[f"reward{suffix}"] = float(grp["reward"].mean())
     return metrics
+
+
+def sampled_metrics(results: pd.DataFrame, k: int) -> dict[str, float]:
+    """From scored rows with k samples per prompt (`generate_responses(samples=k)`):
+    "pass@k" (share of prompts with at least one correct sample) and "sampled_accuracy" (share of
+    correct samples), overall, per domain and per generator, as `eval_metrics` names them."""
+    out: dict[str, float] = {}
+    for suffix, grp in [("", results), *_groups(results)]:
+        solved = (grp["reward"] >= CORRECT_AT).groupby(grp["eval_index"]).any()
+        out[f"pass@{k}{suffix}"] = float(solved.mean())
+        out[f"sampled_accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())
+    return out
 
 
 def evaluate(
@@ -86,10 +129,21 @@ def evaluate(
     routes: dict[str, str] | None = None,
     models: dict[str, dict] | None = None,
     timeout_s: float = 5.0,
+    stop: tuple[str, ...] = (),
+    samples: int = 0,
+    temperature: float = 1.0,
+    seed: int = 0,
 ) -> tuple[dict[str, float], pd.DataFrame]:
     """Greedy-decode every prompt of `table` (columns prompt, domain, answer[, tests, metadata]) and
-    score it with the reward training routes it to (`score_responses`). Returns (`eval_metrics`,
-    per-row results with response, reward, reward_error, response_length)."""
-    results = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template)
+    score it with the reward training routes it to (`score_responses`). With `samples` = k > 0, also
+    sample k responses per prompt (`temperature`, fixed `seed`) and add `sampled_metrics` (pass@k).
+    Returns (metrics, per-row greedy results with response, reward, reward_error, response_length)."""
+    results = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
+                                 stop=stop)
     results = score_responses(results, routes=routes, models=models, timeout_s=timeout_s)
-    return eval_metrics(results), results
+    metrics = eval_metrics(results)
+    if samples:
+        sampled = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
+                                     stop=stop, samples=samples, temperature=temperature, seed=seed)
+        metrics.update(sampled_metrics(score_responses(sampled, routes=routes, models=models, timeout_s=timeout_s), samples))
+    return metrics, results

@@ -33,15 +33,55 @@ def _table(records: list[dict]) -> pd.DataFrame:
 
 # --- reasoning-gym ---------------------------------------------------------------------------
 
+SHOT_SEED = 7_654_321  # the few-shot examples' own seed: the same examples in the train and the eval split
+
+
+def _rg_answer(entry: dict) -> str | None:
+    answer = entry.get("answer")
+    if answer is None:
+        answer = (entry.get("metadata") or {}).get("example_answer")
+    return None if answer is None else str(answer)
+
+
+def _rg_dataset(name: str, kwargs: dict):
+    import reasoning_gym
+
+    try:
+        return reasoning_gym.create_dataset(name, **kwargs)
+    except (TypeError, ValueError, AssertionError) as e:  # reasoning-gym validates its configs with assert
+        shown = {k: v for k, v in kwargs.items() if k not in ("size", "seed")}
+        raise ValueError(f"reasoning_gym_source: generator {name!r} refuses the settings {shown}: {e or type(e).__name__}") from None
+
+
+def fewshot_prefix(examples: list[dict]) -> str:
+    """Solved examples as "Question: ...\nAnswer: ...\n\n" blocks (a prompt then ends in "Answer:")."""
+    return "".join(f"Question: {e['question']}\nAnswer: {_rg_answer(e)}\n\n" for e in examples)
+
+
 def reasoning_gym_source(names: list[str], n: int, seed: int, *, domain: str = "reasoning_gym",
-                         config: dict[str, dict] | None = None, instruction: str = RG_INSTRUCTION) -> pd.DataFrame:
+                         config: dict[str, dict] | None = None, instruction: str | None = None,
+                         shots: int = 0, exclude: set[str] | frozenset[str] = frozenset()) -> pd.DataFrame:
     """`n` reasoning-gym tasks, round-robin over the generators `names` (e.g. "basic_arithmetic",
     "chain_sum", "leg_counting", "simple_equations", "propositional_logic"), deterministic in `seed`.
 
-    `config` = {name: extra generator kwargs}. Each row keeps what the task's own scorer needs in
-    metadata: `rg_dataset`, `rg_config` (the generator kwargs) and `rg_entry` (the task as
-    generated). `answer` is the reference answer (or, for tasks with many right answers, the
-    generator's example answer); route `domain` to the `reasoning_gym` reward."""
+    `config` = {name: extra generator kwargs} (difficulty settings, e.g. chain_sum's max_digits).
+    Prompt format:
+    - `shots` = 0: the question, a blank line and `instruction` (default RG_INSTRUCTION: the answer
+      between <answer> tags), for models that follow instructions.
+    - `shots` = k > 0: k solved examples of the same generator, then the question, as
+      "Question: ...\nAnswer: ...\n\n" blocks ending in "Answer:" (`fewshot_prefix`); the
+      examples come from their own seed (SHOT_SEED), so train and eval prompts share them, and
+      they are never asked as tasks. The response is the text after "Answer:" (stop the rollout
+      at "\n"); `instruction`, if given, goes before the examples. For small models that cannot
+      follow instructions yet but continue a pattern.
+    `exclude`: questions not to ask (e.g. the eval split's, so that no train prompt is an eval
+    prompt: small task spaces repeat questions across seeds); the generator is asked for more
+    rows to make up for them.
+
+    Each row keeps what the task's own scorer needs in metadata: `rg_dataset`, `rg_config` (the
+    generator kwargs) and `rg_entry` (the task as generated). `answer` is the reference answer (or,
+    for tasks with many right answers, the generator's example answer); route `domain` to the
+    `reasoning_gym` reward."""
     import reasoning_gym
 
     if not names:
@@ -49,26 +89,48 @@ def reasoning_gym_source(names: list[str], n: int, seed: int, *, domain: str = "
     unknown = [x for x in names if x not in reasoning_gym.factory.DATASETS]
     if unknown:
         raise ValueError(f"reasoning_gym_source: unknown dataset(s) {unknown}; see reasoning_gym.factory.DATASETS")
+    stray = sorted(set(config or {}) - set(names))
+    if stray:
+        raise ValueError(f"reasoning_gym_source: settings given for {stray}, which are not among the generators {list(names)}")
+    if instruction is None:
+        instruction = "" if shots else RG_INSTRUCTION
     per = [n // len(names) + (i < n % len(names)) for i in range(len(names))]
-    by_name = {}
+    by_name: dict[str, list[tuple[dict, dict]]] = {}
+    prefix: dict[str, str] = {}
     for i, (name, size) in enumerate(zip(names, per)):
-        if size:
-            kwargs = {**(config or {}).get(name, {}), "size": size, "seed": seed * 1000 + i}
-            by_name[name] = (kwargs, reasoning_gym.create_dataset(name, **kwargs))
+        settings = dict((config or {}).get(name, {}))
+        skip = set(exclude)
+        if shots:
+            examples = _rg_dataset(name, {**settings, "size": shots, "seed": SHOT_SEED + i})
+            shown = [json.loads(json.dumps(examples[j], default=str)) for j in range(shots)]
+            prefix[name] = (f"{instruction}\n\n" if instruction else "") + fewshot_prefix(shown)
+            skip |= {e["question"] for e in shown}
+        if not size:
+            continue
+        kwargs = {**settings, "size": size, "seed": seed * 1000 + i}
+        rows, extra = [], 0
+        while len(rows) < size and extra <= 4:  # ask for more rows when excluded questions come up
+            ds = _rg_dataset(name, {**kwargs, "size": size * (1 + extra)})
+            rows = [e for e in (json.loads(json.dumps(ds[j], default=str)) for j in range(len(ds))) if e["question"] not in skip][:size]
+            extra += 1
+        if len(rows) < size:
+            raise ValueError(f"reasoning_gym_source: generator {name!r} with settings {settings} gave only {len(rows)} of {size} "
+                             f"questions that are not excluded (eval split or few-shot examples); its task space is too small "
+                             f"for this split: ask for fewer rows or widen the settings")
+        by_name[name] = [(kwargs, e) for e in rows]
     records = []
     for j in range(max(per)):
         for name in names:
-            if name not in by_name or j >= len(by_name[name][1]):
+            if j >= len(by_name.get(name, ())):
                 continue
-            kwargs, ds = by_name[name]
-            entry = json.loads(json.dumps(ds[j], default=str))      # plain JSON, as stored
-            answer = entry.get("answer")
-            if answer is None:
-                answer = (entry.get("metadata") or {}).get("example_answer")
+            kwargs, entry = by_name[name][j]
+            answer = _rg_answer(entry)
+            prompt = (prefix[name] + f"Question: {entry['question']}\nAnswer:" if shots
+                      else f"{entry['question']}\n\n{instruction}" if instruction else entry["question"])
             records.append({
-                "prompt": f"{entry['question']}\n\n{instruction}" if instruction else entry["question"],
+                "prompt": prompt,
                 "domain": domain,
-                "answer": None if answer is None else str(answer),
+                "answer": answer,
                 "metadata": {"source": "reasoning_gym", "rg_dataset": name, "rg_config": kwargs,
                              "rg_entry": entry, "reference_free": answer is None},
             })

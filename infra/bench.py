@@ -3,6 +3,7 @@
     flyroll bench                                        # tiny + SmolLM2, hf + vllm engines, TRL
     flyroll bench --models tiny --engines hf --batches 2 --json /tmp/bench.json
     flyroll bench --pipeline 4                           # + the Flyte pipeline's per-stage breakdown
+    flyroll bench --learning --config C.yaml --budget-min 30   # accuracy vs wall time (infra/bench_learning.py)
 
 What runs (docs/benchmarks.md has the full story and the results):
 - Per model (`tiny`: the default policy's shape, random init; `smollm2`: SmolLM2-135M-Instruct from
@@ -368,6 +369,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "it compares with per-task), async (not in the default: fused with pipeline.off_policy_steps 1, "
                          "the next rollout beside the update; compare with fused); a table puts their wall, compute, "
                          "orchestration and Ray start side by side")
+    ap.add_argument("--learning", action="store_true",
+                    help="instead: flyroll vs TRL trained for the same wall-clock budget, accuracy vs time (its options: "
+                         "flyroll bench --learning --help; infra/bench_learning.py)")
     ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the temporary folder (models, worker logs, pipeline runs); kept anyway when something failed")
@@ -387,6 +391,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def cli_main(argv: list[str]) -> int:
+    if "--learning" in argv:  # accuracy vs wall time, flyroll vs TRL: its own options (infra/bench_learning.py)
+        from infra.bench_learning import cli_main as learning_main
+
+        return learning_main([a for a in argv if a != "--learning"])
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the workers are closed
     if not (BENCH_DIR / "flyroll_grpo_step.py").exists():

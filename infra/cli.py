@@ -5,6 +5,7 @@
     flyroll stack up|down|status                     local S3 + MLflow services on loopback
     flyroll lineage VERSION_OR_RUN                   model lineage back to the base model
     flyroll bench [--models tiny,smollm2] [...]      flyroll vs TRL GRPOTrainer throughput (docs/benchmarks.md)
+    flyroll bench --learning --config C --budget-min M   flyroll vs TRL accuracy vs wall time
 
 Each subcommand lives beside the code it drives and is imported lazily, so `flyroll --help`
 stays fast.
@@ -22,7 +23,7 @@ _COMMANDS = {
     "sandbox": ("engines.sandbox:cli_main", "run a program in the code sandbox, print the verdict as JSON"),
     "stack": ("infra.stack:cli_main", "start/stop/show the local S3 + MLflow service stack"),
     "lineage": ("infra.lineage:cli_main", "print a model version's lineage back to the base model"),
-    "bench": ("infra.bench:cli_main", "flyroll vs TRL GRPOTrainer throughput, side by side, and the pipeline's stage breakdown"),
+    "bench": ("infra.bench:cli_main", "flyroll vs TRL GRPOTrainer throughput, side by side, and the pipeline's stage breakdown; --learning: accuracy vs wall time"),
 }
 
 

@@ -1,6 +1,7 @@
 """`flyroll eval`: greedy accuracy of a policy on an eval table, printed as one JSON object.
 
     flyroll eval --model SPEC --data TABLE [--config YAML] [--max-new-tokens N] [--limit N] [--chat-template]
+                 [--stop TEXT ...] [--samples K [--temperature T] [--seed S]]
     flyroll eval --store ROOT --model KEY --data TABLE ...
 
 --model   the model specs `model.path` accepts: a local Hugging Face model directory;
@@ -20,7 +21,10 @@
 
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
 correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
-"reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}.
+"reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}, plus
+"accuracy/<domain>/<generator>" for reasoning-gym rows, and with --samples K "pass@K" and
+"sampled_accuracy" (overall, per domain and per generator). Responses end at the --stop strings
+(default: the --config's rollout.stop), as the rollout's do.
 Errors (bad model spec, missing data, missing column, a domain no reward can score) go to stderr;
 exit code 2.
 """
@@ -28,6 +32,7 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import json
 import os
@@ -56,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
     p.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable; Python escapes such as \\n are decoded); default: --config's rollout.stop, else none")
+    p.add_argument("--samples", type=int, default=0, metavar="K", help="also sample K responses per prompt and report pass@K and sampled_accuracy")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of --samples (default 0)")
     return p
 
 
@@ -200,6 +210,20 @@ def reward_options(config: str | None) -> tuple[dict[str, str], dict[str, dict],
     return dict(reward.functions), {"judge": reward.judge.model_dump(), "reward_model": reward.reward_model.model_dump()}, reward.timeout_s
 
 
+def stop_strings(given: list[str] | None, config: str | None) -> tuple[str, ...]:
+    """--stop strings (escapes such as \\n decoded), else the config's rollout.stop, else none."""
+    if given is not None:
+        return tuple(codecs.decode(s, "unicode_escape") for s in given)
+    if config is None:
+        return ()
+    from configs.schema import ConfigError, load_config
+
+    try:
+        return tuple(load_config(config).rollout.stop)
+    except ConfigError as e:
+        raise EvalError(f"--config {config!r}: {e}") from e
+
+
 # -- command -------------------------------------------------------------------------------------
 
 def run_eval(args: argparse.Namespace) -> dict:
@@ -214,12 +238,15 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise EvalError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.samples < 0:
+        raise EvalError(f"--samples must be >= 0, got {args.samples}")
     table = load_table(args.data)
     if args.limit is not None:
         table = table.head(args.limit)
     if len(table) == 0:
         raise EvalError(f"--data {args.data!r}: the table has no rows")
     routes, models, timeout_s = reward_options(args.config)
+    stop = stop_strings(args.stop, args.config)
     names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
              for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
     for domain, name in sorted(names):
@@ -239,7 +266,8 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
         engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
         metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=args.max_new_tokens,
-                                  apply_chat_template=args.chat_template, routes=routes, models=models, timeout_s=timeout_s)
+                                  apply_chat_template=args.chat_template, routes=routes, models=models, timeout_s=timeout_s,
+                                  stop=stop, samples=args.samples, temperature=args.temperature, seed=args.seed)
     model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"
     return {**metrics, "n": int(len(table)), "model": model_name}
 

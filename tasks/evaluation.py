@@ -1,4 +1,4 @@
-"""Evaluation (greedy, fixed eval split) and the end of a run: summary, report deck, Ray shutdown."""
+"""Evaluation (greedy and sampled pass@k, fixed eval split) and the end of a run: summary, report deck, Ray shutdown."""
 
 from __future__ import annotations
 
@@ -18,32 +18,48 @@ from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 @task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
 def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
-    """Greedy accuracy of `policy` on the eval split; logs eval/accuracy, eval/reward (+ per domain) at
-    step=policy.version. Rows are scored by the scoring stage's own `score_table` (the run's reward
+    """Greedy accuracy of `policy` on the eval split; logs eval/accuracy, eval/reward (+ per domain and
+    reasoning-gym generator) at step=policy.version, and with loop.eval_samples = k, eval/pass@k and
+    eval/sampled_accuracy. Rows are scored by the scoring stage's own `score_table` (the run's reward
     workers, routing and model rewards), so eval gives each row the reward training would."""
-    from engines.datasets import encode_nested
-    from engines.evaluation import eval_metrics
-    from tasks.scoring import score_table
+    from engines.evaluation import eval_metrics, sampled_metrics
 
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "evaluation", policy.version, metrics):
         table = read_table(spec, dataset.eval_key)
         workers = generation_pool(spec, policy)
-        rows = ray.get(workers[0].eval_responses.remote(table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template))
-        rewards, errors = score_table(spec, encode_nested(rows))  # tests/metadata as JSON text, as a rollout table
-        rows["reward"] = rewards
-        rows["reward_error"] = pd.Series(errors, index=rows.index, dtype=object)
+        args = (table, cfg.rollout.max_new_tokens, cfg.model.apply_chat_template, tuple(cfg.rollout.stop))
+        rows = _scored(spec, ray.get(workers[0].eval_responses.remote(*args)))
         result = eval_metrics(rows)
-        metrics.update({f"eval/{k}": v for k, v in result.items()})
         tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, rows.to_csv(index=False), f"eval/v{policy.version:04d}.csv")
+        if k := cfg.loop.eval_samples:  # the same draws for every checkpoint: one seed per run
+            sampled = _scored(spec, ray.get(workers[0].eval_responses.remote(*args, samples=k, temperature=cfg.rollout.temperature,
+                                                                              seed=cfg.run.seed + EVAL_SAMPLING_SEED)))
+            result.update(sampled_metrics(sampled, k))
+            tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, sampled.to_csv(index=False), f"eval/v{policy.version:04d}_sampled.csv")
+        metrics.update({f"eval/{k}": v for k, v in result.items()})
     return float(result["accuracy"])
+
+
+EVAL_SAMPLING_SEED = 7_777_777  # added to run.seed: eval samples never share draws with a rollout
+
+
+def _scored(spec: RunSpec, rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` plus reward and reward_error from the scoring stage's own `score_table`."""
+    from engines.datasets import encode_nested
+    from tasks.scoring import score_table
+
+    rewards, errors = score_table(spec, encode_nested(rows))  # tests/metadata as JSON text, as a rollout table
+    rows["reward"] = rewards
+    rows["reward_error"] = pd.Series(errors, index=rows.index, dtype=object)
+    return rows
 
 
 def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
     c = tracking.client(spec.tracking_uri)
     run = c.get_run(spec.mlflow_run_id)
-    keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
+    keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "eval/pass@", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
     out = {}
     for k in sorted(keys):  # one point per step (the first), also for runs logged before logging was idempotent
         first: dict[int, float] = {}

@@ -99,8 +99,10 @@ def _source_splits(src: dict, d: dict, seed: int) -> tuple["pd.DataFrame", "pd.D
         names = tuple(src["names"]) or tuple(d["domains"])
         train, evals = sources.synthetic_source("train", n_train, domains=names, seed=seed), sources.synthetic_source("eval", n_eval, domains=names)
     elif kind == "reasoning_gym":
-        train = sources.reasoning_gym_source(list(src["names"]), n_train, seed)
-        evals = sources.reasoning_gym_source(list(src["names"]), n_eval, seed + 1_000_003)
+        fmt = {"config": src.get("settings") or {}, "shots": src.get("shots", 0), "instruction": src.get("instruction")}
+        evals = sources.reasoning_gym_source(list(src["names"]), n_eval, seed + 1_000_003, **fmt)
+        held_out = {m["rg_entry"]["question"] for m in evals["metadata"]}  # no train prompt is an eval prompt
+        train = sources.reasoning_gym_source(list(src["names"]), n_train, seed, exclude=held_out, **fmt)
     elif kind == "ifeval":
         train, evals = sources.ifeval_source(n_train, seed), sources.ifeval_source(n_eval, seed + 1_000_003)
     elif kind == "humaneval":  # the last eval_size problems are held out

@@ -127,11 +127,14 @@ class GenerationWorker:
         return run_episodes(self.engine, self.tokenizer, env_name, seeds, group_size=group_size, max_turns=max_turns,
                             max_context_tokens=max_context_tokens, sampling=params, env_kwargs=env_kwargs, chat=chat)
 
-    def eval_responses(self, table, max_new_tokens: int, chat: bool):
-        """Greedy responses to the eval table (engines/evaluation.py); the eval task scores them."""
+    def eval_responses(self, table, max_new_tokens: int, chat: bool, stop: tuple[str, ...] = (), samples: int = 0,
+                       temperature: float = 1.0, seed: int = 0):
+        """Responses to the eval table, greedy or `samples` per prompt (engines/evaluation.py
+        generate_responses); the eval task scores them."""
         from engines.evaluation import generate_responses
 
-        return generate_responses(self.engine, self.tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=chat)
+        return generate_responses(self.engine, self.tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=chat,
+                                  stop=stop, samples=samples, temperature=temperature, seed=seed)
 
 
 @ray.remote

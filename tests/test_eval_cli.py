@@ -225,3 +225,23 @@ def test_make_dataset_parquet_is_decoded(tmp_path):
     got = load_table(str(tmp_path / "eval.parquet"))
     assert got["metadata"].tolist() == rows["metadata"].tolist()
     assert got["tests"].tolist()[:2] == rows["tests"].tolist()[:2] and got["tests"].iloc[2] is None
+
+
+def test_eval_stops_and_samples_as_configured(tiny_model_dir, tmp_path, capsys):
+    from engines.modeling import CHARSET
+
+    table = problems_table(4)
+    table.to_parquet(tmp_path / "eval.parquet")
+    (tmp_path / "stop.yaml").write_text(json.dumps({"rollout": {"stop": list(CHARSET)}}))  # any character ends a response
+    args = ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "6"]
+    rc, free, err = run(capsys, args)
+    assert rc == 0, err
+    rc, cut, err = run(capsys, [*args, "--config", str(tmp_path / "stop.yaml")])
+    assert rc == 0, err
+    assert free["length"] > 1 and cut["length"] <= 1, "the config's rollout.stop ends eval responses, as rollouts"
+    rc, sampled, err = run(capsys, [*args, "--stop", "\\n", "--samples", "3", "--seed", "2"])
+    assert rc == 0, err
+    assert {"pass@3", "sampled_accuracy", "pass@3/arithmetic", "pass@3/reverse"} <= set(sampled)
+    assert sampled["pass@3"] >= sampled["sampled_accuracy"]
+    rc, _, err = run(capsys, [*args, "--samples", "-1"])
+    assert rc == 2 and "--samples must be >= 0" in err
