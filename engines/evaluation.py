@@ -84,13 +84,13 @@ def task_of(metadata) -> str | None:
 
 
 def _groups(results: pd.DataFrame):
-    """(suffix, rows) per domain, and per domain/generator for rows that name their generator."""
+    """(suffix, rows, is_domain) per domain, and per domain/generator for rows that name their generator."""
     for domain, grp in results.groupby("domain"):
-        yield f"/{domain}", grp
+        yield f"/{domain}", grp, True
     if "metadata" in results.columns:
         tasks = results["metadata"].map(task_of)
         for (domain, task), grp in results.groupby([results["domain"], tasks]):
-            yield f"/{domain}/{task}", grp
+            yield f"/{domain}/{task}", grp, False
 
 
 def eval_metrics(results: pd.DataFrame) -> dict[str, float]:
@@ -100,9 +100,9 @@ def eval_metrics(results: pd.DataFrame) -> dict[str, float]:
     correct = results["reward"] >= CORRECT_AT
     metrics = {"accuracy": float(correct.mean()), "reward": float(results["reward"].mean()),
                "length": float(results["response_length"].mean())}
-    for suffix, grp in _groups(results):
+    for suffix, grp, is_domain in _groups(results):
         metrics[f"accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())
-        if suffix.count("/") == 1:
+        if is_domain:
             metrics[f"reward{suffix}"] = float(grp["reward"].mean())
     return metrics
 
@@ -112,7 +112,7 @@ def sampled_metrics(results: pd.DataFrame, k: int) -> dict[str, float]:
     "pass@k" (share of prompts with at least one correct sample) and "sampled_accuracy" (share of
     correct samples), overall, per domain and per generator, as `eval_metrics` names them."""
     out: dict[str, float] = {}
-    for suffix, grp in [("", results), *_groups(results)]:
+    for suffix, grp, _ in [("", results, False), *_groups(results)]:
         solved = (grp["reward"] >= CORRECT_AT).groupby(grp["eval_index"]).any()
         out[f"pass@{k}{suffix}"] = float(solved.mean())
         out[f"sampled_accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())

@@ -224,20 +224,13 @@ def _run_until(cmd: list[str], env: dict, log_path: str, budget_s: float, extra_
 
 def run_flyroll(cfg: dict, budget_s: float, threads: int, root: str) -> dict:
     """The workflow under `cfg` for `budget_s` seconds; its published policy versions with their times."""
-    import yaml
     from datetime import datetime
 
+    from infra.bench_pipeline import workflow_command
     from infra.store import ArtifactStore
 
-    os.makedirs(os.path.join(root, "home"), exist_ok=True)
-    cfg_path = os.path.join(root, "config.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    cmd = [str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rlvr.py", "rlvr", "--config", cfg_path]
-    env = {**os.environ, "HOME": os.path.join(root, "home"), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
-           "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    for k in ("MLFLOW_TRACKING_URI", "FLYROLL_STORE_URI"):
-        env.pop(k, None)
+    cmd, env = workflow_command(cfg, root, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.pop("FLYROLL_STORE_URI", None)
     print(f"flyroll: {' '.join(cmd)} for {budget_s:.0f} s (log {root}/pyflyte.log)", flush=True)
     t0, rc = _run_until(cmd, env, os.path.join(root, "pyflyte.log"), budget_s, 0)
     store_root = os.path.join(cfg["run"]["output_dir"], "store")

@@ -44,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 STAGES = ("rollout", "scoring", "reference", "training", "weight_sync")
 # --pipeline-modes: mode -> (FLYROLL_RAY, fused, pipeline.off_policy_steps). `fused` runs every
 # iteration in one task (loop.fuse: N) on the per-task cluster shape, so it is compared with
@@ -165,26 +166,32 @@ def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, ou
     }
 
 
-def run_pipeline(name: str, model_dir: str, chat: bool, engine: str, args, workdir: str, mode: str = "shared") -> dict:
+def workflow_command(cfg: dict, root: str, **env_vars: str) -> tuple[list[str], dict]:
+    """(command, environment) of `pyflyte run workflows/rlvr.py rlvr` on `cfg`, written to
+    root/config.yaml, with HOME = root/home (Flyte's local cache stays in the run) and no inherited
+    MLflow tracking URI; `env_vars` are added to the environment."""
     import yaml
 
-    repo = Path(__file__).resolve().parent.parent
-    root = os.path.join(workdir, f"pipeline-{name}-{engine}-{mode}")
     home = os.path.join(root, "home")
     os.makedirs(home, exist_ok=True)
-    cfg = pipeline_config(name, model_dir, chat, engine, args, os.path.join(root, "runs"), mode)
     cfg_path = os.path.join(root, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg, f)
-    pyflyte = str(Path(sys.executable).parent / "pyflyte")
-    cmd = [pyflyte, "run", "workflows/rlvr.py", "rlvr", "--config", cfg_path]
-    env = {**os.environ, "HOME": home, "PYTHONPATH": str(repo), "FLYROLL_RAY": MODES[mode][0]}
+    cmd = [str(Path(sys.executable).parent / "pyflyte"), "run", "workflows/rlvr.py", "rlvr", "--config", cfg_path]
+    env = {**os.environ, "HOME": home, "PYTHONPATH": str(REPO), **env_vars}
     env.pop("MLFLOW_TRACKING_URI", None)
+    return cmd, env
+
+
+def run_pipeline(name: str, model_dir: str, chat: bool, engine: str, args, workdir: str, mode: str = "shared") -> dict:
+    root = os.path.join(workdir, f"pipeline-{name}-{engine}-{mode}")
+    cfg = pipeline_config(name, model_dir, chat, engine, args, os.path.join(root, "runs"), mode)
+    cmd, env = workflow_command(cfg, root, FLYROLL_RAY=MODES[mode][0])
     print(f"[{name}] pipeline, engine {engine}, mode {mode} (FLYROLL_RAY={MODES[mode][0]}, loop.fuse "
-          f"{cfg['loop']['fuse']}): {' '.join(cmd)}  (HOME={home}; log {root}/pyflyte.log)", flush=True)
+          f"{cfg['loop']['fuse']}): {' '.join(cmd)}  (HOME={env['HOME']}; log {root}/pyflyte.log)", flush=True)
     t0 = time.time()
     with open(os.path.join(root, "pyflyte.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=str(repo), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             log.write(line)
             if "▸" in line:  # the stage lines of tasks/common.py

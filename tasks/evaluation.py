@@ -16,6 +16,9 @@ from tasks.rollout import generation_pool, read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
+EVAL_SAMPLING_SEED = 7_777_777  # added to run.seed: eval samples never share draws with a rollout
+
+
 @task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
 def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
     """Greedy accuracy of `policy` on the eval split; logs eval/accuracy, eval/reward (+ per domain and
@@ -40,9 +43,6 @@ def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
             tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, sampled.to_csv(index=False), f"eval/v{policy.version:04d}_sampled.csv")
         metrics.update({f"eval/{k}": v for k, v in result.items()})
     return float(result["accuracy"])
-
-
-EVAL_SAMPLING_SEED = 7_777_777  # added to run.seed: eval samples never share draws with a rollout
 
 
 def _scored(spec: RunSpec, rows: pd.DataFrame) -> pd.DataFrame:
