@@ -58,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     from engines.modeling import gguf_file, import_gguf, load_policy
     from engines.sources import reasoning_gym_reward, reasoning_gym_source
 
-    model_dir = a.model
     if a.model.startswith(("package:", "gguf:")):
-        model_dir = import_gguf(gguf_file(a.model), tempfile.mkdtemp(prefix="rg-rates-"))
-    model, tok = load_policy(model_dir)
+        with tempfile.TemporaryDirectory(prefix="rg-rates-") as scratch:   # the imported copy: ~0.5 GB for SmolLM2
+            model, tok = load_policy(import_gguf(gguf_file(a.model), scratch))
+    else:
+        model, tok = load_policy(a.model)
     engine = HFGenerationEngine(model, tok, micro_batch=64)
     stop = tuple(a.stop) if a.stop is not None else ("\n",) if a.shots else ()
     rows_out = []

@@ -248,7 +248,7 @@ class EnvConfig(_Section):
 class LoopConfig(_Section):
     iterations: int = Field(12, ge=0, le=100_000, description="RL iterations in this run.")
     eval_every: int = Field(4, ge=1, description="Evaluate on the eval split every K iterations (and at 0 and at the end).")
-    eval_samples: int = Field(0, ge=0, le=64, description="0 = greedy evaluation only. k > 0 = also sample k responses per eval prompt (rollout.temperature, one fixed seed for every checkpoint) and log eval/pass@k and eval/sampled_accuracy (per domain and reasoning-gym generator too). Costs k x the greedy eval's generation.")
+    eval_samples: int = Field(0, ge=0, le=64, description="0 = greedy evaluation only. k > 0 = also sample k responses per eval prompt (rollout.temperature, one fixed seed for every checkpoint) and log eval/pass_at_k and eval/sampled_accuracy (per domain and reasoning-gym generator too). Costs k x the greedy eval's generation.")
     fuse: int = Field(1, ge=1, le=1000, description="Iterations per Flyte task (workflows/rlvr.py): 1 = each stage its own task on its own Ray cluster; N > 1 = N iterations, with their evaluations, inside one task on one Ray cluster that holds every stage's nodes (tasks/fused.py): engines stay warm and the generators take each new policy in place, while every iteration still publishes its policy and rollout table and logs its MLflow child run. It does not change results, so it is left out of the run's config hash: a run may be resumed with another value.")
 
 

@@ -109,12 +109,12 @@ def eval_metrics(results: pd.DataFrame) -> dict[str, float]:
 
 def sampled_metrics(results: pd.DataFrame, k: int) -> dict[str, float]:
     """From scored rows with k samples per prompt (`generate_responses(samples=k)`):
-    "pass@k" (share of prompts with at least one correct sample) and "sampled_accuracy" (share of
+    "pass_at_k" (share of prompts with at least one correct sample) and "sampled_accuracy" (share of
     correct samples), overall, per domain and per generator, as `eval_metrics` names them."""
     out: dict[str, float] = {}
     for suffix, grp, _ in [("", results, False), *_groups(results)]:
         solved = (grp["reward"] >= CORRECT_AT).groupby(grp["eval_index"]).any()
-        out[f"pass@{k}{suffix}"] = float(solved.mean())
+        out[f"pass_at_{k}{suffix}"] = float(solved.mean())
         out[f"sampled_accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())
     return out
 

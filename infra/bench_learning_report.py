@@ -68,7 +68,7 @@ def print_tables(curves: dict[str, list[dict]], levels: list[dict]) -> None:
     from rich.table import Table
 
     keys = sorted({k for pts in curves.values() for p in pts for k in p["metrics"]
-                   if k.startswith("accuracy/") or k.startswith("pass@")})
+                   if k.startswith("accuracy/") or k.startswith("pass_at_")})
     t = Table(title="accuracy vs wall time (seconds from process start; greedy accuracy on the eval split)")
     for col in ("system", "t s", "checkpoint", "accuracy", *keys):
         t.add_column(col, justify="left" if col == "system" else "right")

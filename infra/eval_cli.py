@@ -22,7 +22,7 @@
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
 correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
 "reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}, plus
-"accuracy/<domain>/<generator>" for reasoning-gym rows, and with --samples K "pass@K" and
+"accuracy/<domain>/<generator>" for reasoning-gym rows, and with --samples K "pass_at_K" and
 "sampled_accuracy" (overall, per domain and per generator). Responses end at the --stop strings
 (default: the --config's rollout.stop), as the rollout's do.
 Errors (bad model spec, missing data, missing column, a domain no reward can score) go to stderr;
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable; Python escapes such as \\n are decoded); default: --config's rollout.stop, else none")
-    p.add_argument("--samples", type=int, default=0, metavar="K", help="also sample K responses per prompt and report pass@K and sampled_accuracy")
+    p.add_argument("--samples", type=int, default=0, metavar="K", help="also sample K responses per prompt and report pass_at_K and sampled_accuracy")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of --samples (default 0)")
     return p

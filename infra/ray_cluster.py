@@ -72,6 +72,59 @@ def node_shapes(job: RayJobConfig) -> list[tuple[str, float, float]]:
     return shapes
 
 
+TEMP_PREFIX = "flyroll-ray-"
+OWNER_FILE = "owner.pid"   # in a cluster's temp dir: the pid of the process that started it
+
+
+def _users(path: str) -> list[int]:
+    """Pids of the running processes that name `path` on their command line (Ray's GCS, raylets,
+    monitors and workers are started with their session folder under it)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if path.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:   # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def reap_orphan_clusters(parent: str, wait_s: float = 10.0) -> list[str]:
+    """Stop and remove the per-task clusters under `parent` whose starting process is gone.
+
+    A task killed with SIGKILL skips `task_cluster`'s cleanup: its Ray processes (GCS, raylets,
+    monitors) exit on their own once their driver is gone, but its temp dir (session files, logs)
+    stays. Such a cluster is found by its dir's owner file naming a pid that no longer exists. Any
+    process whose command line still names that dir is killed, then the dir is removed. A dir without
+    an owner file (one being created now, or not ours) is left alone. Returns the dirs removed."""
+    import signal
+
+    removed = []
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        path = os.path.join(parent, name)
+        if not name.startswith(TEMP_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if os.path.exists(f"/proc/{owner}"):
+            continue
+        for pid in _users(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while _users(path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 @contextmanager
 def task_cluster(job: RayJobConfig, role: str):
     """A fresh local Ray cluster shaped like `job` (one Ray node per pod), connected for the body and
@@ -88,7 +141,12 @@ def task_cluster(job: RayJobConfig, role: str):
     # /tmp/ray/ray_current_cluster: `Cluster` writes its head's address there "for unit testing", and
     # any `ray.init()` without an address on this machine would then join this cluster (another run's
     # shared instance, a test's ray.init(num_cpus=...)), and fail once it is gone
-    temp_dir = tempfile.mkdtemp(prefix="flyroll-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    parent = os.environ.get("RAY_TMPDIR") or "/tmp"
+    for path in reap_orphan_clusters(parent):
+        console.print(f"[dim]ray per-task: stopped and removed {path}, a cluster whose task process was killed[/]")
+    temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
+    with open(os.path.join(temp_dir, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
     # token authentication as ray.init() sets it up for a new cluster (on unless RAY_AUTH_MODE says
     # otherwise; a token in ~/.ray created when missing): `Cluster` does neither, and with
     # RAY_AUTH_MODE=token in the environment (any earlier ray.init() in this process sets it) but no

@@ -22,7 +22,7 @@ EVAL_SAMPLING_SEED = 7_777_777  # added to run.seed: eval samples never share dr
 @task(task_config=ray_job("evaluation"), **task_resources("evaluation"))
 def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
     """Greedy accuracy of `policy` on the eval split; logs eval/accuracy, eval/reward (+ per domain and
-    reasoning-gym generator) at step=policy.version, and with loop.eval_samples = k, eval/pass@k and
+    reasoning-gym generator) at step=policy.version, and with loop.eval_samples = k, eval/pass_at_k and
     eval/sampled_accuracy. Rows are scored by the scoring stage's own `score_table` (the run's reward
     workers, routing and model rewards), so eval gives each row the reward training would."""
     from engines.evaluation import eval_metrics, sampled_metrics
@@ -59,7 +59,7 @@ def _scored(spec: RunSpec, rows: pd.DataFrame) -> pd.DataFrame:
 def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
     c = tracking.client(spec.tracking_uri)
     run = c.get_run(spec.mlflow_run_id)
-    keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "eval/pass@", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
+    keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "eval/pass_at_", "eval/sampled_accuracy", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
     out = {}
     for k in sorted(keys):  # one point per step (the first), also for runs logged before logging was idempotent
         first: dict[int, float] = {}

@@ -241,7 +241,7 @@ def test_eval_stops_and_samples_as_configured(tiny_model_dir, tmp_path, capsys):
     assert free["length"] > 1 and cut["length"] <= 1, "the config's rollout.stop ends eval responses, as rollouts"
     rc, sampled, err = run(capsys, [*args, "--stop", "\\n", "--samples", "3", "--seed", "2"])
     assert rc == 0, err
-    assert {"pass@3", "sampled_accuracy", "pass@3/arithmetic", "pass@3/reverse"} <= set(sampled)
-    assert sampled["pass@3"] >= sampled["sampled_accuracy"]
+    assert {"pass_at_3", "sampled_accuracy", "pass_at_3/arithmetic", "pass_at_3/reverse"} <= set(sampled)
+    assert sampled["pass_at_3"] >= sampled["sampled_accuracy"]
     rc, _, err = run(capsys, [*args, "--samples", "-1"])
     assert rc == 2 and "--samples must be >= 0" in err

@@ -5,6 +5,7 @@ machine (a concurrent run's shared instance, a test's `ray.init(num_cpus=...)`).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from flytekit import Resources
 from flytekitplugins.ray import HeadNodeConfig, WorkerNodeConfig
 
-from infra.ray_cluster import FlyrollRayJobConfig, node_shapes, ray_mode, task_cluster
+from infra.ray_cluster import OWNER_FILE, TEMP_PREFIX, FlyrollRayJobConfig, node_shapes, ray_mode, reap_orphan_clusters, task_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,3 +72,67 @@ def test_task_cluster_starts_with_or_without_token_auth_and_no_token_yet(tmp_pat
         env["RAY_AUTH_MODE"] = auth_mode
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0 and "cpus 4.0" in out.stdout, out.stderr[-3000:]
+
+
+def _cluster_dir(parent: Path, name: str, owner: int | None) -> Path:
+    d = parent / f"{TEMP_PREFIX}{name}"
+    (d / "session_x").mkdir(parents=True)
+    if owner is not None:
+        (d / OWNER_FILE).write_text(str(owner))
+    return d
+
+
+def test_reap_removes_only_clusters_whose_owner_is_gone(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    gone = _cluster_dir(tmp_path, "gone", int(dead))
+    live = _cluster_dir(tmp_path, "live", os.getpid())
+    unowned = _cluster_dir(tmp_path, "unowned", None)   # being created, or not flyroll's
+    other = tmp_path / "not-flyroll"
+    other.mkdir()
+    (other / OWNER_FILE).write_text(dead)
+    # a process still naming the dead owner's dir (a straggling raylet) is stopped before the removal
+    straggler = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(120)", str(gone / "session_x")])
+    try:
+        assert reap_orphan_clusters(str(tmp_path)) == [str(gone)]
+        assert straggler.wait(timeout=10) == -9
+    finally:
+        straggler.kill()
+    assert not gone.exists() and live.exists() and unowned.exists() and other.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_task_leaves_a_cluster_dir_that_the_next_cluster_removes(monkeypatch):
+    import signal
+    import tempfile
+    import time
+
+    parent = Path(tempfile.mkdtemp(prefix="frk", dir="/tmp"))   # short: Ray's socket paths are length-limited
+    probe = ("import time\nfrom tests.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
+             "with task_cluster(_job(), 'training'):\n    print('ready', flush=True)\n    time.sleep(300)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(parent)}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        (left,) = parent.glob(f"{TEMP_PREFIX}*")
+        proc.send_signal(signal.SIGKILL)   # no finally, no atexit: the task's own cleanup never runs
+        proc.wait(timeout=30)
+        time.sleep(1)
+        assert left.exists()
+        monkeypatch.setenv("RAY_TMPDIR", str(parent))
+        with task_cluster(_job(), "training"):
+            assert not left.exists()
+            assert not [p for p in Path("/proc").glob("[0-9]*") if _names(p, left)]
+            (mine,) = parent.glob(f"{TEMP_PREFIX}*")
+            assert (mine / OWNER_FILE).read_text() == str(os.getpid())
+        assert not list(parent.glob(f"{TEMP_PREFIX}*"))
+    finally:
+        proc.kill()
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _names(proc_dir: Path, path: Path) -> bool:
+    try:
+        return str(path).encode() in (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return False

@@ -84,8 +84,8 @@ def test_sampled_metrics_count_prompts_with_a_right_sample():
     # prompt 0 (chain_sum): 1 of 3 right; prompt 1 (chain_sum): none; prompt 2 (gcd): 3 of 3
     df = _scored([0, 1, 0, 0, 0, 0.5, 1, 1, 1], ["chain_sum"] * 6 + ["gcd"] * 3, k=3)
     m = sampled_metrics(df, 3)
-    assert m["pass@3"] == pytest.approx(2 / 3) and m["sampled_accuracy"] == pytest.approx(4 / 9)
-    assert m["pass@3/math/chain_sum"] == pytest.approx(0.5) and m["pass@3/math/gcd"] == 1.0
+    assert m["pass_at_3"] == pytest.approx(2 / 3) and m["sampled_accuracy"] == pytest.approx(4 / 9)
+    assert m["pass_at_3/math/chain_sum"] == pytest.approx(0.5) and m["pass_at_3/math/gcd"] == 1.0
     assert m["sampled_accuracy/math/chain_sum"] == pytest.approx(1 / 6)
 
 
@@ -121,3 +121,16 @@ def test_other_source_kinds_survive_the_config_round_trip_between_tasks():
     cfg = parse_config({"data": {"sources": [{"kind": "humaneval"}, {"kind": "reasoning_gym", "names": ["gcd"], "shots": 2}]}})
     again = FlyrollConfig.model_validate_json(cfg.to_json())  # how tasks pass the config on (every default written out)
     assert again.data.sources[1].shots == 2 and again.data.sources[0].shots == 0
+
+
+def test_eval_metric_names_are_accepted_by_mlflow(tmp_path):
+    # the evaluation task logs these as eval/<name>: MLflow refuses names with characters such as "@"
+    from infra import tracking
+
+    df = _scored([0, 1, 0, 0, 0, 0.5, 1, 1, 1], ["chain_sum"] * 6 + ["gcd"] * 3, k=3)
+    metrics = {f"eval/{k}": v for k, v in {**eval_metrics(df), **sampled_metrics(df, 3)}.items()}
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.start_parent_run(uri, "names", "names", params={}, tags={})
+    tracking.log_metrics(uri, run_id, metrics, step=0)
+    logged = tracking.client(uri).get_run(run_id).data.metrics
+    assert logged["eval/pass_at_3/math/chain_sum"] == pytest.approx(0.5) and set(metrics) <= set(logged)
