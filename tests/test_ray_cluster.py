@@ -14,7 +14,7 @@ import pytest
 from flytekit import Resources
 from flytekitplugins.ray import HeadNodeConfig, WorkerNodeConfig
 
-from infra.ray_cluster import OWNER_FILE, TEMP_PREFIX, FlyrollRayJobConfig, node_shapes, ray_mode, reap_orphan_clusters, task_cluster
+from infra.ray_cluster import OWNER_FILE, TEMP_PREFIX, FlyrollRayJobConfig, node_shapes, ray_mode, _users, reap_orphan_clusters, task_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def test_a_killed_task_leaves_a_cluster_dir_that_the_next_cluster_removes(monkey
         monkeypatch.setenv("RAY_TMPDIR", str(parent))
         with task_cluster(_job(), "training"):
             assert not left.exists()
-            assert not [p for p in Path("/proc").glob("[0-9]*") if _names(p, left)]
+            assert not _users(str(left))
             (mine,) = parent.glob(f"{TEMP_PREFIX}*")
             assert (mine / OWNER_FILE).read_text() == str(os.getpid())
         assert not list(parent.glob(f"{TEMP_PREFIX}*"))
@@ -130,9 +130,3 @@ def test_a_killed_task_leaves_a_cluster_dir_that_the_next_cluster_removes(monkey
         proc.kill()
         shutil.rmtree(parent, ignore_errors=True)
 
-
-def _names(proc_dir: Path, path: Path) -> bool:
-    try:
-        return str(path).encode() in (proc_dir / "cmdline").read_bytes()
-    except OSError:
-        return False
