@@ -25,6 +25,18 @@ def _job() -> FlyrollRayJobConfig:
                                worker_node_config=[WorkerNodeConfig(group_name="w", replicas=2, requests=pod)])
 
 
+def _cmdlines(path: str) -> list[bytes]:
+    """The command lines of the running processes that name `path` (a cluster's temp dir)."""
+    out = []
+    for pid in _users(path):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out.append(f.read())
+        except OSError:   # gone meanwhile
+            continue
+    return out
+
+
 def test_node_shapes_follow_the_job():
     assert node_shapes(_job()) == [("head", 2.0, 0.0), ("w-0", 1.0, 0.0), ("w-1", 1.0, 0.0)]
 
@@ -46,6 +58,9 @@ def test_task_cluster_has_the_declared_nodes_and_cannot_be_found_by_another_init
         assert sorted(n["Resources"].get("CPU") for n in ray.nodes() if n["Alive"]) == [1.0, 1.0, 2.0]
         assert ray.cluster_resources()["CPU"] == 4.0
         assert find_bootstrap_address(None) != cluster.address   # the default temp dir does not name it
+        # and no autoscaler monitor among its processes: the shape is fixed (one process less per task)
+        procs = _cmdlines(cluster.head_node.get_temp_dir_path())
+        assert any(b"gcs_server" in c for c in procs) and not any(b"autoscaler/_private/monitor.py" in c for c in procs)
         # another process's plain ray.init() starts its own instance instead of joining this cluster
         probe = ("import ray; ray.init(num_cpus=1, include_dashboard=False); "
                  "print(len(ray.nodes()), ray.cluster_resources()['CPU']); ray.shutdown()")
