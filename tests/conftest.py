@@ -30,14 +30,38 @@ def tiny_model_dir(tiny_policy, tmp_path_factory) -> str:
     return save_policy(model, tok, str(tmp_path_factory.mktemp("tiny_policy")))
 
 
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory):
+    """One folder (HOME, runs/: store and MLflow) for the slow runs of presets on configs/tiny.yaml's
+    model: the first one bootstraps the tiny base (1500 pre-training steps, minutes), the others reuse it
+    from the store. tests/test_presets.py and tests/test_learning.py's default preset (one xdist group)."""
+    return tmp_path_factory.mktemp("tiny-base")
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tmp_path_factory):
+    """(folder, config path, completed process): one `pyflyte run` of tests/configs/e2e.yaml (shared
+    local Ray), read by tests/test_workflow.py and tests/test_lineage.py (one xdist group, so one run).
+    Read it, do not change it: the only rerun (test_rerun_resumes_and_redoes_nothing) adds nothing."""
+    from tests.test_workflow import _config, _pyflyte_run
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    config = _config(tmp)
+    proc = _pyflyte_run(tmp, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return tmp, config, proc
+
+
 # `pytest -n 2 --dist loadgroup --no-loadscope-reorder` (infra/test.sh): one xdist group per test
 # module, so a module's module-scoped fixtures (one pyflyte run read by several tests, the presets'
 # shared base) are built once, by one worker; the modules that load SmolLM2 share a group so that two
 # ~8 GB pipelines never run at the same time on the 24 GiB box. The groups holding the longest
 # end-to-end runs are handed out first, so the two workers finish close together.
 SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_eval_routing"}   # + tests marked xdist_group("smollm2")
-LONGEST_FIRST = ["test_agentic_presets", "smollm2", "test_presets", "test_learning", "test_s3_e2e", "test_strategies", "test_resume",
-                 "test_agentic_workflow", "test_schedules", "test_workflow", "test_lineage", "test_decks"]
+# modules that share a session fixture with another module's group: `e2e_run`, `tiny_base_dir`
+SAME_GROUP = {"test_lineage": "test_workflow", "test_learning": "test_presets"}
+LONGEST_FIRST = ["test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_resume", "test_s3_e2e",
+                 "test_strategies", "test_agentic_workflow", "test_schedules", "test_decks"]
 
 
 def _group(item) -> str:
@@ -45,7 +69,7 @@ def _group(item) -> str:
     if mark is not None:
         return mark.args[0] if mark.args else mark.kwargs.get("name", "")
     module = item.module.__name__.rsplit(".", 1)[-1]
-    return "smollm2" if module in SMOLLM2_MODULES else module
+    return "smollm2" if module in SMOLLM2_MODULES else SAME_GROUP.get(module, module)
 
 
 def _suffix_group(item) -> None:

@@ -39,7 +39,8 @@ def test_agentic_workflow_end_to_end(tmp_path):
 
     from infra.store import ArtifactStore
 
-    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task")  # a Ray cluster per task
+    # a Ray cluster per task; evaluated at 0 and at the end (2), not after every iteration: one cluster fewer
+    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task", loop={"eval_every": 2})
     assert _history(c, run, "timing/rollout_ray_start_s") and _history(c, run, "timing/evaluation_ray_start_s")
     for key in ("env/success_rate", "env/effective_action_rate", "env/invalid_action_rate", "env/turns",
                 "eval/success_rate", "eval/effective_action_rate", "actor/pg_loss"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_workflow import _config, _env, _pyflyte_run
+from tests.test_workflow import _env
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +18,11 @@ FLYROLL = str(Path(sys.executable).with_name("flyroll"))
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(e2e_run):
+    """The session's e2e run (tests/conftest.py; tests/test_workflow.py reads it too), read only."""
     from mlflow.tracking import MlflowClient
 
-    tmp = tmp_path_factory.mktemp("lineage")
-    proc = _pyflyte_run(tmp, "--config", str(_config(tmp)))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    tmp = e2e_run[0]
     tracking_uri = f"sqlite:///{tmp / 'runs' / 'mlflow.db'}"
     c = MlflowClient(tracking_uri=tracking_uri)
     exp = c.get_experiment_by_name("flyroll")

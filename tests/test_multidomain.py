@@ -56,7 +56,7 @@ def test_smollm2_multidomain_preset_runs(tmp_path):
     cfg = yaml.safe_load((REPO / "configs/smollm2_multidomain.yaml").read_text())
     cfg["data"].update(train_size=32, eval_size=2)
     cfg["rollout"].update(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=64)
-    cfg["loop"] = {"iterations": 2, "eval_every": 1}
+    cfg["loop"] = {"iterations": 2, "eval_every": 2}   # evaluated at 0 and 2: one SmolLM2 evaluation fewer than every iteration
     _, c, run = _run(tmp_path, cfg, timeout=2400)
     m = run.data.metrics
     for domain in ("math", "code", "ifeval"):

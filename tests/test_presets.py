@@ -1,9 +1,10 @@
 """The algorithm presets in configs/: each validates, shares the tiny bootstrapped base, is headed by the
 command that runs it, and (slow tier) runs end to end through `pyflyte run` and raises eval accuracy.
 
-The slow runs share one temp HOME / output folder / artifact store, so the base policy is bootstrapped
-once (by the first preset) and reused by the others through the store; each preset runs ITERATIONS
-iterations and its eval/accuracy is read back from MLflow.
+The slow runs share one temp HOME / output folder / artifact store (`tiny_base_dir`, tests/conftest.py,
+shared with tests/test_learning.py's default preset), so the base policy is bootstrapped once (by the
+first run) and reused by the others through the store; each preset runs ITERATIONS iterations and its
+eval/accuracy is read back from MLflow.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def test_preset_validates_and_shares_the_tiny_base(name):
 
 
 @pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("presets")
+def shared_dir(tiny_base_dir):
+    return tiny_base_dir
 
 
 def _accuracy(tmp, name: str) -> list[tuple[int, float]]:

@@ -49,13 +49,7 @@ def _pyflyte_run(tmp: Path, *args: str, timeout: int = 600) -> subprocess.Comple
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def e2e_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    config = _config(tmp)
-    proc = _pyflyte_run(tmp, "--config", str(config))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return tmp, config, proc
+# `e2e_run` (tests/conftest.py): the one e2e run of the session, shared with tests/test_lineage.py
 
 
 def _mlflow(tmp: Path):
