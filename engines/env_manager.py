@@ -274,16 +274,45 @@ def wasted_action(env) -> str | None:
     return None
 
 
+def detour_action(env, planned: str, rng) -> str | None:
+    """A random one of ``WASTED_MOVES`` other than ``planned`` that is valid and effective, does not
+    end the episode and leaves the goal reachable (``env.solve()`` finds a plan), tried on copies of
+    ``env``; None if there is none."""
+    import copy
+
+    options = []
+    for move in WASTED_MOVES:
+        if move == planned:
+            continue
+        trial = copy.deepcopy(env)
+        _, _, done, info = trial.step(move + "\n")
+        if info.get("valid_action") and info.get("effective") and not done and trial.solve():
+            options.append(move)
+    return rng.choice(options) if options else None
+
+
 def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None,
-                    habit_rate: float = 0.0, habit_seed: int = 0) -> list[tuple[str, str]]:
+                    habit_rate: float = 0.0, habit_seed: int = 0, detour_rate: float = 0.0,
+                    segments: bool = False) -> list[tuple[str, str | list[tuple[str, bool]]]]:
     """(prompt, response) demonstrations by the environment's scripted solver, laid out exactly as
     ``run_episodes`` lays out text (each action on its own line, then the environment's reply; no
     reply after the last action). Re-plans after every step (slippery FrozenLake); seeds the solver
     cannot finish within ``max_turns`` are skipped. For ``engines.pretrain.supervised_finetune``.
+    ``segments=True``: each response is a list of (text, is_action) segments instead of one string
+    (the same text), so the fine-tune can put its loss on the actions only.
 
     ``habit_rate`` > 0 makes the teacher imperfect: before each planned move, with that probability
     (``random.Random(habit_seed)``), it first wastes a turn on ``wasted_action(env)`` when one
-    exists — a habit the pre-trained policy inherits and RL must unlearn."""
+    exists — a habit the pre-trained policy inherits and RL must unlearn.
+
+    ``detour_rate`` > 0 widens the states the corpus covers (noise injection, DART: Laskey et al.
+    2017, "DART: Noise Injection for Robust Imitation Learning"): before a planned move, with that
+    probability (same generator) the teacher first takes ``detour_action(env, plan[0], rng)`` — an
+    effective move other than the planned one that leaves the goal reachable — and re-plans from
+    where it lands. Shortest-path demonstrations only show states on shortest paths; a policy that
+    strays once is then somewhere it never saw a demonstration (FrozenLake: beside a hole, needing
+    an ``up`` or ``left`` that shortest paths never take). The detour's own step is a demonstration
+    of a mistake, so keep the rate well below the planned move's share."""
     import random
 
     rng = random.Random(habit_seed)
@@ -291,7 +320,7 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
     for seed in seeds:
         env = make_env(env_name, **(env_kwargs or {}))
         prompt = env.instructions + env.reset(seed)
-        response, success = "", False
+        parts, success = [], False
         wasted_here = False
         for turn in range(max_turns):
             plan = env.solve()
@@ -299,13 +328,15 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
                 break
             move = wasted_action(env) if habit_rate > 0 and not wasted_here and rng.random() < habit_rate else None
             wasted_here = move is not None          # at most one wasted turn in a row
+            if move is None and detour_rate > 0 and rng.random() < detour_rate:
+                move = detour_action(env, plan[0], rng)
             action = (move or plan[0]) + "\n"
             observation, _, done, info = env.step(action)
-            response += action
+            parts.append((action, True))
             if done or turn == max_turns - 1:
                 success = bool(info.get("success"))
                 break
-            response += reply_text(action, observation)
+            parts.append((reply_text(action, observation), False))
         if success:
-            pairs.append((prompt, response))
+            pairs.append((prompt, parts if segments else "".join(text for text, _ in parts)))
     return pairs

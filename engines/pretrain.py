@@ -18,7 +18,7 @@ from engines.batching import collate, response_logprobs
 def supervised_finetune(
     model,
     tokenizer,
-    pairs: list[tuple[str, str]],
+    pairs: list[tuple[str, str | list[tuple[str, bool]]]],
     *,
     steps: int,
     batch_size: int = 64,
@@ -26,20 +26,31 @@ def supervised_finetune(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, float]:
-    """Train `model` in place on `pairs` for `steps` AdamW steps (cosine LR); returns final metrics."""
+    """Train `model` in place on `pairs` for `steps` AdamW steps (cosine LR); returns final metrics.
+    A response is a string (every token trained) or a list of (text, trained) segments, each
+    tokenised on its own as the environment manager tokenises turns; only the tokens of trained
+    segments carry loss (the EOS when the last segment is trained), e.g. a policy's actions and not
+    the environment's replies."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    encoded = [
-        (tokenizer(p, add_special_tokens=False)["input_ids"], tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-        for p, r in pairs
-    ]
+
+    def encode(response):
+        segments = [(response, True)] if isinstance(response, str) else response
+        ids, mask = [], []
+        for text, trained in segments:
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += seg
+            mask += [int(trained)] * len(seg)
+        return ids + [tokenizer.eos_token_id], mask + [mask[-1] if mask else 1]   # the EOS goes with the last segment
+
+    encoded = [(tokenizer(p, add_special_tokens=False)["input_ids"], *encode(r)) for p, r in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
     t0, loss_ema = time.perf_counter(), None
     for step in range(steps):
         rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        batch = collate([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_token_id)
+        batch = collate([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_token_id, [r[2] for r in rows])
         logp, _ = response_logprobs(model, batch)
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad(set_to_none=True)

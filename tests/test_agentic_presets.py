@@ -32,10 +32,12 @@ def test_agentic_preset_validates_and_names_its_command(name):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
-    """The acceptance run of the agentic pillar: configs/frozenlake.yaml as shipped, fewer iterations
-    (4: on 2026-12-02 at one torch thread, sampled success 0.449 -> 0.703, effective actions 0.688 -> 0.770)."""
+    """The acceptance run of the agentic pillar: configs/frozenlake.yaml as shipped, fewer iterations.
+    4 iterations at one torch thread on 2026-12-03: sampled held-out success 0.125 -> 0.305 (+23 of
+    128 episodes), sampled effective actions 0.598 -> 0.760. Greedy success does not rise
+    (0.297 -> 0.281; docs/agentic.md "Results" has the diagnosis), so it is only checked to be logged."""
     iterations = 4
-    # 2 sampled episodes per held-out seed (the preset: 4): 128 per evaluation, against a rise of ~0.25
+    # 2 sampled episodes per held-out seed (the preset: 4): 128 per evaluation, against a rise of ~0.18
     c, run, _ = _run(tmp_path, "configs/frozenlake.yaml", loop={"iterations": iterations, "eval_every": iterations},
                      env={"eval_samples_per_seed": 2})
     success = _history(c, run, "eval/success_rate")

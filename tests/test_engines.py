@@ -376,6 +376,34 @@ def test_supervised_finetune_lowers_the_loss():
     assert not model.training
 
 
+def test_supervised_finetune_trains_only_the_marked_segments():
+    """A response given as (text, trained) segments: as a string when every segment is trained; an
+    untrained segment's tokens carry no loss (what it says cannot change the update), a trained one's do.
+    solved_episodes(segments=True) marks exactly the actions and joins to the same text."""
+    from engines.env_manager import solved_episodes
+
+    def trained(pairs):
+        model, tok = build_tiny_policy(**TINY, seed=1)
+        supervised_finetune(model, tok, pairs, steps=3, batch_size=2, lr=1e-2, seed=0)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    p = "frozenlake: walk p to g.\nmove: "
+    assert torch.equal(trained([(p, "down\n....\nmove: up\n")]),
+                       trained([(p, [("down\n", True), ("....\nmove: ", True), ("up\n", True)])]))
+    quiet = [trained([(p, [("down\n", True), (reply, False)])]) for reply in ("p...\nmove: ", "o.g.\nmove: ")]
+    assert torch.equal(*quiet)
+    loud = [trained([(p, [("down\n", True), (reply, True)])]) for reply in ("p...\nmove: ", "o.g.\nmove: ")]
+    assert not torch.equal(*loud)
+
+    plain = solved_episodes("frozenlake", list(range(6)), max_turns=10, env_kwargs={"neighbours": True}, habit_rate=0.5)
+    split = solved_episodes("frozenlake", list(range(6)), max_turns=10, env_kwargs={"neighbours": True}, habit_rate=0.5,
+                            segments=True)
+    assert [(q, "".join(t for t, _ in segs)) for q, segs in split] == plain
+    for _, segs in split:
+        assert [t.strip() in ("left", "down", "right", "up") for t, _ in segs] == [a for _, a in segs]
+        assert segs[-1][1]                                                   # ends on an action
+
+
 # ================================================================================================
 # evaluation
 # ================================================================================================

@@ -144,6 +144,43 @@ def test_solved_episodes_match_the_managers_layout():
     assert solved_episodes("frozenlake", [0], max_turns=2) == []                    # cannot finish in 2 turns: skipped
 
 
+
+def _demo_states(seed: int, response: str, **kwargs) -> tuple[list[tuple[int, int]], bool]:
+    """Replay a FrozenLake demonstration: the positions before each action, and whether it ends on the goal."""
+    lines = response.split("\n")
+    actions = [lines[0]] + [line.removeprefix("move: ") for line in lines[1:] if line.startswith("move: ")]
+    env = make_env("frozenlake", **kwargs)
+    env.reset(seed)
+    states, info = [], {}
+    for a in actions:
+        states.append(env.pos)
+        _, _, _, info = env.step(a + "\n")
+    return states, bool(info.get("success"))
+
+
+def test_solved_episodes_detours_cover_states_off_the_shortest_paths():
+    """detour_rate > 0: the teacher sometimes steps off its plan (an effective move that keeps the goal
+    reachable) and re-plans, so the corpus holds states no shortest path visits, and still only
+    successful demonstrations; detour_rate = 0 stays on shortest paths."""
+    def off_path(seed, pos):  # remaining shortest path from pos longer than a shortest path through it
+        env = make_env("frozenlake")
+        env.reset(seed)
+        total = len(env.solve())
+        env.pos = pos
+        return pos[0] + pos[1] + len(env.solve()) > total
+
+    seeds = list(range(40))
+    for rate, expect_off in ((0.0, False), (0.3, True)):
+        pairs = solved_episodes("frozenlake", seeds, max_turns=12, detour_rate=rate, habit_seed=1)
+        assert len(pairs) >= 20
+        demos = {}
+        for prompt, response in pairs:
+            seed = next(s for s in seeds if make_env("frozenlake").reset(s) == prompt.removeprefix(make_env("frozenlake").instructions))
+            states, success = _demo_states(seed, response)
+            assert success, response
+            demos[seed] = states
+        assert any(off_path(seed, pos) for seed, states in demos.items() for pos in states) == expect_off, rate
+
 def test_truncation_by_context_length():
     tok = build_char_tokenizer()
     sampling = SamplingParams(max_new_tokens=8)
