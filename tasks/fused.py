@@ -8,7 +8,9 @@ the generators take each new policy in place (tasks/weight_sync.py, `ray.is_init
 Nothing else changes: every iteration publishes its policy and rollout table, registers the model
 version and logs its MLflow child run exactly as the separate tasks do, so lineage and resume are
 those of the unfused loop, and with the same seeds the results are the same
-(tests/test_workflow.py `test_fused_iterations_give_the_same_run_in_one_task`).
+(tests/test_workflow.py `test_fused_iterations_give_the_same_run_in_one_task`). With
+`checkpoint.optimizer_every` > 1 the last iteration of the task publishes its trainer state whatever
+the rule says of the others (on a Flyte cluster the task's actors end with it).
 
 Between stages the rollout table goes through parquet, as it does between tasks (Flyte's
 StructuredDataset), so every stage reads exactly the table it would read unfused.
@@ -95,7 +97,10 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
             samples = _between_tasks(score.task_function(spec=spec, batch=batch, iteration=it))
             full = _between_tasks(reference_forward.task_function(spec=spec, batch=samples, policy=policy,
                                                                   reference=reference, iteration=it, generator=generator))
-            checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it)
+            # the training actors live on to the next iteration of this task; the last one's checkpoint
+            # holds the trainer state (checkpoint.optimizer_every: tasks/replay.py)
+            checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it,
+                                             actor_kept=it < first + count - 1)
             policy = publish_weights.task_function(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset,
                                                    iteration=it)
             versions[it] = policy

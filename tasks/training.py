@@ -1,6 +1,8 @@
 """Training: one actor update (advantages -> policy loss + KL) in the training actor, and a critic
 update for PPO with GAE; writes the new checkpoint (weights + tokenizer + optimizer and objective
-state, the critic under critic/) and the stage metrics, not the table.
+state, the critic under critic/) and the stage metrics, not the table. With
+`checkpoint.optimizer_every` > 1 most checkpoints leave the optimizer and objective state out and the
+training actor keeps it (tasks/replay.py says which, and how a resume rebuilds it).
 
 With `training.strategy` other than torch, `training.num_workers` TrainWorker actors in the task's
 Ray cluster form one torch.distributed group (rank 0's actor gives the rendezvous address); each gets
@@ -10,7 +12,9 @@ returns the checkpoint."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import typing
 
 import pandas as pd
 import ray
@@ -20,6 +24,7 @@ from flytekit.types.directory import FlyteDirectory
 from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, stage
+from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
 
@@ -29,6 +34,35 @@ def policy_key(spec: RunSpec, version: int) -> str:
 
 
 CHECKPOINT_SCRATCH_PREFIX = "flyroll-ckpt-"
+
+
+def scratch_checkpoint_dir(iteration: int, parent: str | None = None) -> str:
+    """A new temp folder for `train`'s checkpoint, named for this process and the iteration
+    (`flyroll-ckpt-p<pid>-i<iteration>-...`); `publish_weights` removes it once the store holds the
+    version. First removes the folders of processes that are gone (`reap_orphan_checkpoints`)."""
+    parent = parent or tempfile.gettempdir()
+    reap_orphan_checkpoints(parent)
+    return tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}p{os.getpid()}-i{iteration:04d}-", dir=parent)
+
+
+def reap_orphan_checkpoints(parent: str) -> list[str]:
+    """Remove the scratch checkpoints under `parent` whose writing process no longer exists.
+
+    A run killed between `train` and `publish_weights` (SIGKILL, OOM, a pod restart) never reaches
+    the discard: on a local box each such kill left a whole checkpoint in the temp folder (1.6 GB for
+    SmolLM2 with its optimizer state). The resumed run trains that iteration again into a new folder,
+    so a dead process's folder holds nothing the store needs. Folders of a live process, and ones not
+    named by `scratch_checkpoint_dir`, are left alone. Returns the folders removed."""
+    import shutil
+
+    removed = []
+    for name in sorted(os.listdir(parent)):
+        m = re.fullmatch(rf"{re.escape(CHECKPOINT_SCRATCH_PREFIX)}p(\d+)-i\d+-.*", name)
+        path = os.path.join(parent, name)
+        if m and os.path.isdir(path) and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def train_workers(cfg, run_id: str) -> list:
@@ -44,24 +78,33 @@ def train_workers(cfg, run_id: str) -> list:
 
 
 @task(task_config=ray_job("training"), **task_resources("training"))
-def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int) -> FlyteDirectory:
-    """Returns the new checkpoint directory (published by weight_sync)."""
+def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
+          actor_kept: typing.Optional[bool] = None) -> FlyteDirectory:
+    """Returns the new checkpoint directory (published by weight_sync). `actor_kept`: whether the
+    training actors live on to train iteration+1 (tasks/fused.py passes it); None = they do when the
+    run shares one local Ray instance (`shared_local_ray`). With checkpoint.optimizer_every > 1 it
+    decides, with the iteration, whether the checkpoint holds trainer_state.pt (tasks/replay.py)."""
     check_columns(batch, "rollout", "scoring", "reference", at="entering training")
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "training", iteration, metrics):
         workers = train_workers(cfg, spec.run_id)
         tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
-        ray.get([w.load.remote(spec, policy.key, tcfg, acfg) for w in workers])
-        train_actor = acfg["advantage"] != "gae" or iteration > acfg["critic_warmup_iterations"]
+        loaded = ray.get([w.load.remote(spec, policy.key, tcfg, acfg) for w in workers])
+        if loaded[0].startswith("replayed"):
+            print(f"flyroll: training iteration {iteration}: {policy.key} {loaded[0]}", flush=True)
+        kept = shared_local_ray() if actor_kept is None else actor_kept
+        with_state = trainer_state_due(iteration, cfg.checkpoint.optimizer_every, cfg.loop.iterations, kept)
+        args = update_args(cfg, iteration)
         table = batch if len(workers) == 1 else ray.put(batch)  # every rank reads the one stored copy
-        out = tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}{iteration:04d}-")  # removed by publish_weights
+        out = scratch_checkpoint_dir(iteration)  # removed by publish_weights
         here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
         (step_metrics, files), *_ = ray.get(
-            [w.step.remote(table, acfg, tcfg, cfg.rollout.temperature or 1.0, cfg.run.seed * 7919 + iteration,
-                           policy_key(spec, iteration), train_actor, here) for w in workers]
+            [w.step.remote(table, acfg, tcfg, args["temperature"], args["seed"], policy_key(spec, iteration),
+                           args["train_actor"], here, with_state) for w in workers]
         )
         metrics.update(step_metrics)
+        metrics["training/trainer_state_published"] = float(with_state)
         metrics["training/workers"] = float(len(workers))
         for rel, data in files.items():  # rank 0 on another node: its files came back as bytes
             path = os.path.join(out, rel)

@@ -22,6 +22,7 @@ from infra import tracking
 from infra.resources import task_resources
 from infra.store import ArtifactNotFound, CorruptArtifact
 from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, rollout_table_key, stage, store_of
+from tasks.replay import DEFERRED
 from tasks.training import CHECKPOINT_SCRATCH_PREFIX, policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
@@ -43,11 +44,14 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
             "flyte.execution_id": execution_id(), "flyroll.child_run_id": child,
         }
         version = tracking.register_policy(spec.tracking_uri, spec.mlflow_run_id, store.uri(key), key, lineage)
+        every = config_of(spec).checkpoint.optimizer_every
+        deferred = {} if os.path.exists(os.path.join(local, TRAINER_STATE)) else \
+            {DEFERRED: f"checkpoint.optimizer_every={every}: kept by the training actor"}  # tasks/replay.py
         manifest = store.publish(local, key, kind="checkpoint", producer="publish_weights", parents=[parent.key],
                                  execution_id=execution_id(),
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
                                            "rollout_table": rollouts, "model_version": version,
-                                           "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child})
+                                           "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child, **deferred})
         prune_trainer_states(store, spec, iteration, config_of(spec).run.keep_trainer_states)
         tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": version})
         tracking.end_run(spec.tracking_uri, child)  # the iteration is committed; its evaluation may still log into it
@@ -69,19 +73,33 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
 
 def prune_trainer_states(store, spec: RunSpec, iteration: int, keep: int) -> str | None:
     """Drop trainer_state.pt (optimizer moments, LR schedule, objective state: 2/3 of a checkpoint)
-    from the policy version `keep` iterations before `iteration`, once `iteration` is published.
-    Versions are published one per iteration, so each call prunes one and the newest `keep` always
-    have theirs. Returns the pruned key, if any."""
-    old = iteration - keep
-    key = policy_key(spec, old)
-    try:  # one manifest read here (store.exists would be a second), prune's own the other
-        listed = old >= 1 and TRAINER_STATE in store.manifest(key).files
-    except (ArtifactNotFound, CorruptArtifact):  # what store.exists treats as absent
+    from the versions that hold one beyond the newest `keep` that do, once `iteration` is published.
+
+    Counted among the versions that hold it, not by iteration: with checkpoint.optimizer_every > 1
+    the versions after the newest holder are deferred and a resume replays them from it
+    (tasks/replay.py), so the newest holder is never pruned (keep >= 1). Only a publish that holds
+    its state can make one too many, so a deferred one prunes nothing. Walks back through the
+    manifests until a version already pruned (older ones were dealt with by earlier publishes) or
+    the run's first. Returns the newest key pruned, if any."""
+    def holds(version: int) -> bool | None:  # None: stop (absent, unreadable or already pruned)
+        try:
+            m = store.manifest(policy_key(spec, version))
+        except (ArtifactNotFound, CorruptArtifact):  # what store.exists treats as absent
+            return None
+        return True if TRAINER_STATE in m.files else (None if TRAINER_STATE in m.metadata.get("pruned", {}) else False)
+
+    if holds(iteration) is not True:
         return None
-    if not listed:
-        return None
-    store.prune(key, [TRAINER_STATE], reason=f"run.keep_trainer_states={keep}")
-    return key
+    held, newest = 1, None
+    for old in range(iteration - 1, 0, -1):
+        h = holds(old)
+        if h is None:
+            break
+        held += h
+        if h and held > keep:
+            store.prune(policy_key(spec, old), [TRAINER_STATE], reason=f"run.keep_trainer_states={keep}")
+            newest = newest or policy_key(spec, old)
+    return newest
 
 
 def discard_scratch_checkpoint(path: str) -> None:
