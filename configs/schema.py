@@ -33,7 +33,7 @@ class RunConfig(_Section):
     tracking_uri: str | None = Field(None, description="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db.")
     experiment: str = Field("flyroll", description="MLflow experiment name.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per process (actor). 1 is fastest when several Ray actors share a small CPU box.")
-    keep_trainer_states: int = Field(2, ge=1, le=100_000, description="Newest published policy versions that keep their optimizer and objective state (trainer_state.pt); older versions keep weights, tokenizer and critic only (SmolLM2: 0.54 of 1.62 GB). A run resumes from its newest version; training from an older one starts the optimizer moments and LR schedule afresh.")
+    keep_trainer_states: int = Field(2, ge=1, le=100_000, description="How many of the newest published policy versions that hold their optimizer and objective state (trainer_state.pt; with checkpoint.optimizer_every > 1 not every version does) keep it; older ones keep weights, tokenizer and critic only (SmolLM2: 0.54 of 1.62 GB). A run resumes from its newest version; training from a version whose state was pruned starts the optimizer moments and LR schedule afresh.")
 
 
 class BootstrapConfig(_Section):
@@ -99,6 +99,8 @@ class RolloutConfig(_Section):
     stop: tuple[str, ...] = Field((), description="Stop strings besides EOS.")
     num_workers: int = Field(1, ge=1, le=256, description="Generation engine actors (data parallel).")
     micro_batch: int = Field(256, ge=1, description="Prompts x samples per generate call inside one engine (engine 'hf'; vLLM schedules its own batches).")
+    score_while_generating: bool = Field(False, description="Score in the rollout task, each group as soon as its chunk of prompts is generated (the rollout scheduler, engines/scheduler.py, without filters), so a slow reward (code sandbox, judge) runs on the reward workers while later chunks generate instead of after the whole batch; the scoring task then passes the table through. It overlaps only when a batch is more than one chunk: set rollout.chunk_prompts below prompts_per_iteration / num_workers. Always the case under algorithm.filter_groups. Off by default: smaller generate calls cost generation throughput (benchmarks/reward_overlap.py measures both).")
+    chunk_prompts: int | None = Field(None, ge=1, description="Prompts per generation request when the rollout scheduler drives the rollout (algorithm.filter_groups or rollout.score_while_generating). None = ceil(prompts_per_iteration / num_workers): one chunk per generation actor. Smaller chunks let finished groups be scored (and dynamic sampling stop) sooner, at the price of smaller generate batches.")
     hf_compile_decode: bool = Field(False, description="engine 'hf' on a GPU: transformers' compiled decode (torch.compile with CUDA graphs over the static KV cache of group sampling, samples_per_prompt > 1). Each new batch shape compiles once (~30 s for a 0.5B model on an H200; cache lengths are rounded up to 128 tokens so prompt widths share graphs), then decode ran 3.9x faster there. No effect on CPU.")
     hf_pack_weights: bool = Field(False, description="engine 'hf' on CPU: decode with the float32 linear weights in MKL's packed GEMM layout (engines/generation.py packed_decode_linears), for calls of max_new_tokens >= 8; the packed copy lives for one generate call (+540 MB for SmolLM2 while decoding, ~0.2 s to pack). Same log-probs to float rounding. Off by default: SmolLM2's 8 x 8 x 32-token rollout took 5.54 -> 4.77 s with it on 2 cores, but in flyroll bench's alternating step the update after it got ~0.8 s slower, not yet explained (docs/engines.md). No effect on GPUs or where torch has no MKL.")
 
@@ -243,6 +245,8 @@ class EnvConfig(_Section):
     eval_samples_per_seed: int = Field(1, ge=1, le=64, description="Sampled episodes per held-out seed when eval_temperature > 0.")
     bootstrap_episodes: int = Field(400, ge=1, description="Scripted-solver episodes the tiny policy is pre-trained on (model.bootstrap.steps controls how well it learns them).")
     bootstrap_habit_rate: float = Field(0.0, ge=0.0, le=1.0, description="An imperfect teacher for the bootstrap: before each planned move, with this probability the demonstration first wastes a turn on a valid but ineffective action (the first of left/down/right/up that leaves the state unchanged, e.g. walking into the border), if one exists. The pre-trained policy inherits the habit; RL has to unlearn it (effective-action rate and success rise). 0 = a perfect teacher.")
+    bootstrap_loss: Literal["response", "actions"] = Field("response", description="What the bootstrap's supervised loss covers. response: every token after the prompt, the environment's replies included (a world-model bonus; with FrozenLake's ~70-character replies to 5-character actions over 90% of the loss is on replies). actions: only the policy's own action tokens (the environment's replies stay as context), so a short pre-training spends its steps on choosing actions from observations.")
+    bootstrap_detour_rate: float = Field(0.0, ge=0.0, le=1.0, description="Wider state coverage for the bootstrap (noise injection, DART: Laskey et al. 2017): before a planned move, with this probability the demonstration first takes a random effective move off the plan that keeps the goal reachable, then re-plans, so the corpus shows states off the shortest paths and the moves that recover from them. The policy strays there at test time; without it, it never saw a demonstration there. Demonstrations that no longer finish within max_turns are dropped, so a high rate shrinks the corpus. 0 = shortest-path demonstrations only.")
 
 
 class LoopConfig(_Section):
@@ -250,6 +254,10 @@ class LoopConfig(_Section):
     eval_every: int = Field(4, ge=1, description="Evaluate on the eval split every K iterations (and at 0 and at the end).")
     eval_samples: int = Field(0, ge=0, le=64, description="0 = greedy evaluation only. k > 0 = also sample k responses per eval prompt (rollout.temperature, one fixed seed for every checkpoint) and log eval/pass_at_k and eval/sampled_accuracy (per domain and reasoning-gym generator too). Costs k x the greedy eval's generation.")
     fuse: int = Field(1, ge=1, le=1000, description="Iterations per Flyte task (workflows/rlvr.py): 1 = each stage its own task on its own Ray cluster; N > 1 = N iterations, with their evaluations, inside one task on one Ray cluster that holds every stage's nodes (tasks/fused.py): engines stay warm and the generators take each new policy in place, while every iteration still publishes its policy and rollout table and logs its MLflow child run. It does not change results, so it is left out of the run's config hash: a run may be resumed with another value.")
+
+
+class CheckpointConfig(_Section):
+    optimizer_every: int = Field(1, ge=1, le=100_000, description="Which published policy versions hold trainer_state.pt (optimizer moments, LR schedule, objective state, LoRA adapters, the critic's optimizer: 2/3 of a float32 checkpoint, SmolLM2 1.08 of 1.62 GB). 1 = every version. N > 1 = only iterations divisible by N, the run's last (loop.iterations), the last of each fused task (loop.fuse) and every iteration whose training actor will not live on to the next (a Ray cluster per task: a Flyte cluster, or FLYROLL_RAY=per-task, unfused); in between the training actor keeps the state in memory and the version holds weights, tokenizer and critic only (manifest metadata trainer_state_deferred). Unfused on a Flyte cluster every version therefore holds it and N changes nothing. Training from such a version of the run without that actor (a resume) rebuilds the state by replaying the updates since the newest version that holds it (or the run's start) on their published rollout tables: up to N-1 extra updates, checked against the published weights (a difference keeps the published weights with the replayed state, and is printed). It does not change the run's results, so it is left out of the run's config hash.")
 
 
 class PipelineConfig(_Section):
@@ -267,7 +275,13 @@ class FlyrollConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Per-role resources and which roles share devices (infra/resources.py turns it into task Resources, Ray worker groups and actor options).")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="How generation overlaps training (workflows/rlvr.py).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="What each published policy version holds beside its weights.")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
+
+    @property
+    def scores_in_rollout(self) -> bool:
+        """Whether the rollout task scores its samples through the rollout scheduler (tasks/rollout.py)."""
+        return self.algorithm.filter_groups or self.rollout.score_while_generating
 
     @model_validator(mode="after")
     def _check(self) -> "FlyrollConfig":
@@ -281,6 +295,9 @@ class FlyrollConfig(_Section):
                 raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps} samples with a policy "
                                  f"{self.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
                                  "the update corrects it with truncated importance sampling")
+        if self.rollout.score_while_generating and self.env is not None:
+            raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
+                             "scores each episode's steps in the environment: set it false")
         if self.loop.fuse > 1 and self.env is not None:
             raise ValueError(f"loop.fuse={self.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
                              "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")
@@ -352,8 +369,9 @@ class FlyrollConfig(_Section):
     def hash(self) -> str:
         """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
-        hash, and a run started before the upgrade still resumes. (A changed default does not change it.)"""
-        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}})
+        hash, and a run started before the upgrade still resumes. (A changed default does not change it.)
+        Left out: settings that do not change results (loop.fuse, checkpoint), so a run may be resumed with others."""
+        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

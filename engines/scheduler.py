@@ -105,6 +105,7 @@ class Group:
     rows: list[Row] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)  # time.monotonic() at "submitted", "generated", "scored"
 
 
 @dataclass
@@ -118,7 +119,13 @@ class RolloutResult:
         scored = [g for g in self.groups if g.status in (KEPT, DROPPED)]
         kept_samples = sum(len(g.rows) for g in self.kept)
         tokens = sum(len(r.get("response_token_ids", ())) for g in scored for r in g.rows)
+        generated = [g.times["generated"] for g in scored]
+        gen_end = max(generated, default=0.0)
         return {
+            # handed to the reward side while a later chunk was still generating (0 = scoring waited for all of it)
+            "rollout/groups_scored_during_generation": sum(t < gen_end for t in generated) / len(scored) if scored else 0.0,
+            # reward time not hidden behind generation: last score in, less last generation out
+            "rollout/reward_tail_s": max(0.0, max((g.times["scored"] for g in scored), default=0.0) - gen_end),
             "dynamic_sampling/kept_groups": float(len(self.kept)),
             "dynamic_sampling/dropped_groups": float(sum(g.status == DROPPED for g in self.groups)),
             "dynamic_sampling/generation_rounds": len(self.groups) / max(want, 1),  # prompts used / batch size
@@ -157,7 +164,8 @@ class RolloutScheduler:
                     if not take:
                         exhausted = True
                         break
-                    chunk = [Group(len(groups) + i, p, status=GENERATING) for i, p in enumerate(take)]
+                    now = time.monotonic()
+                    chunk = [Group(len(groups) + i, p, status=GENERATING, times={"submitted": now}) for i, p in enumerate(take)]
                     groups.extend(chunk)
                     generating[self.generation.submit([g.prompt for g in chunk])] = chunk
                     chunks += 1
@@ -165,9 +173,10 @@ class RolloutScheduler:
                     break
                 done = self.generation.ready(list(generating), 0.0 if scoring else self.poll_s) if generating else []
                 for h in sorted(done, key=lambda h: generating[h][0].index):
-                    chunk = generating.pop(h)
-                    for g, rows in zip(chunk, self.generation.result(h), strict=True):
-                        g.rows, g.status = rows, SCORING
+                    chunk, results = generating.pop(h), self.generation.result(h)
+                    now = time.monotonic()  # one time per chunk: its groups finished together
+                    for g, rows in zip(chunk, results, strict=True):
+                        g.rows, g.status, g.times["generated"] = rows, SCORING, now
                         scoring[self.rewards.submit(rows)] = g
                 if scoring:
                     finished = self.rewards.ready(list(scoring), 0.0 if done or generating else self.poll_s)
@@ -191,6 +200,7 @@ class RolloutScheduler:
     def _decide(self, g: Group, scored: list[tuple[float, str | None]], kept: list[Group]) -> None:
         g.rewards = [float(r) for r, _ in scored]
         g.errors = [e for _, e in scored]
+        g.times["scored"] = time.monotonic()
         failed = next((name for name, keep in self.filters if not keep(g.rewards, g.rows)), None)
         if failed is not None:
             g.status, g.reason = DROPPED, failed

@@ -169,13 +169,14 @@ _POOLS["evaluation"] = "generation"  # the eval task serves the policy with acto
 
 def hosted_roles(cfg, task: str) -> tuple[str, ...]:
     """The placement roles whose actors stage task `task` creates on its own Ray cluster (the critic
-    rides inside the training actors). Under dynamic sampling (`algorithm.filter_groups`) the
-    rollout task also hosts the reward workers: it scores its samples and refills the batch with
-    its own generation actors (tasks/rollout.py), so no generation actor is ever created in a
-    cluster declared without room for one (the scoring task's has no GPU on the gpu profile)."""
+    rides inside the training actors). Under dynamic sampling (`algorithm.filter_groups`) and with
+    `rollout.score_while_generating` the rollout task also hosts the reward workers: it scores its
+    samples (and refills the batch with its own generation actors, tasks/rollout.py), so no
+    generation actor is ever created in a cluster declared without room for one (the scoring task's
+    has no GPU on the gpu profile)."""
     roles = {task_: (role,) for role, (task_, _) in HOSTS.items() if role != "critic"}
     roles["evaluation"] = ("actor_infer", "reward")  # greedy responses, scored by the run's reward workers
-    if cfg.algorithm.filter_groups:
+    if cfg.scores_in_rollout:
         roles["rollout"] += ("reward",)
     roles["fused"] = tuple(dict.fromkeys(r for s in FUSED_STAGES for r in roles[s]))  # every stage, one cluster
     return roles.get(task, ())

@@ -5,7 +5,9 @@ With dynamic sampling (`algorithm.filter_groups`, DAPO) this task runs the rollo
 generation actors (`RayGeneration`), each generated group to the reward workers at once, and the
 batch fills with groups that pass the filters. That needs the generation actors, and they live
 here, on the Ray cluster sized for them (infra/resources.py `hosted_roles`). The table then leaves
-this task scored, and the scoring task passes it through."""
+this task scored, and the scoring task passes it through. `rollout.score_while_generating` takes the
+same path without filters: the batch is the rollout's own B prompts, in chunks of
+`rollout.chunk_prompts`, each group scored while later chunks generate."""
 
 from __future__ import annotations
 
@@ -88,9 +90,9 @@ def completion_rows(prompts: list, ids: list[list[int]], completions: list, vers
 class RayGeneration:
     """engines/scheduler.py `GenerationSide` over the generation actors: each chunk goes to an idle
     actor (encode, then generate; run at most len(workers) chunks in flight), seeded by `seed` and its
-    chunk number. `abort` is `ray.cancel`: it drops a chunk that has not started, but an actor runs
-    one call at a time and has no abort entry point, so a chunk already generating runs to its end
-    and its result is discarded (HFGenerationEngine's abort event is not reachable through Ray yet)."""
+    chunk number, under a request id. `abort` tells the actor to stop that request
+    (`GenerationWorker.abort`: the HF engine stops after its current decode step, so the actor is
+    free for the next stage at once; a vLLM call runs to its end) and drops its result."""
 
     def __init__(self, spec: RunSpec, workers: list, version: int, iteration: int, seed: int):
         cfg = config_of(spec)
@@ -103,8 +105,9 @@ class RayGeneration:
 
         w = self.idle.pop(0)  # the scheduler keeps at most len(workers) chunks in flight
         ids = w.encode.remote([p["prompt"] for p in prompts], self.chat)
-        ref = w.generate.remote(ids, replace(self.params, seed=self.seed + 50_021 * self.chunks))
-        self.busy[ref] = (self.chunks, w, ids, prompts)
+        request = f"{self.iteration}-{self.seed}-{self.chunks}"
+        ref = w.generate.remote(ids, replace(self.params, seed=self.seed + 50_021 * self.chunks), request)
+        self.busy[ref] = (request, w, ids, prompts)
         self.chunks += 1
         return ref
 
@@ -118,8 +121,11 @@ class RayGeneration:
 
     def abort(self, ref) -> None:
         # no ray.cancel: cancelling a queued actor task leaves a gap in the actor's ordered queue, which
-        # then stalls for 30 s and cancels every later call (seen under load); the result is dropped
-        self.busy.pop(ref, None)
+        # then stalls for 30 s and cancels every later call (seen under load); the actor stops the
+        # request itself and the result is dropped
+        request, w, _, _ = self.busy.pop(ref, (None, None, None, None))
+        if w is not None:
+            w.abort.remote(request)
 
 
 def read_table(spec: RunSpec, key: str) -> pd.DataFrame:
@@ -152,7 +158,8 @@ def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int
 def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
     """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
     `algorithm.filter_groups` also scored (reward, reward_error), B groups that pass the filters
-    (fewer when the prompt budget runs out; see tasks/scoring.py `dynamic_sampling`)."""
+    (fewer when the prompt budget runs out; see tasks/scoring.py `dynamic_sampling`); with
+    `rollout.score_while_generating` the B groups, scored."""
     cfg = config_of(spec)
     r = cfg.rollout
     metrics: dict[str, float] = {}
@@ -160,14 +167,14 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
         metrics["rollout/staleness"] = float(iteration - 1 - policy.version)  # updates behind the trainer's policy
         train = read_table(spec, dataset.train_key)
         if cfg.data.domain_weights:  # per-domain quotas every batch (ROLL's domain_interleave_probs)
-            from engines.datasets import mix_domains, realised_mix, split_by_domain
+            from engines.datasets import mix_domains, split_by_domain
 
             prompts = mix_domains(split_by_domain(train), dict(cfg.data.domain_weights), r.prompts_per_iteration,
                                   seed=cfg.run.seed * 1_000_003 + iteration).reset_index(drop=True)
         else:
             prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
         workers = generation_pool(spec, policy)
-        if cfg.algorithm.filter_groups:  # DAPO: scheduler over these actors and the reward workers (scored table)
+        if cfg.scores_in_rollout:  # DAPO, or score_while_generating: the scheduler over these actors and the reward workers
             from tasks.scoring import dynamic_sampling
 
             df, m = dynamic_sampling(spec, RayGeneration(spec, workers, policy.version, iteration,
@@ -176,7 +183,7 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
         else:
             df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
         ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
-        check_columns(df, "rollout", *(("scoring",) if cfg.algorithm.filter_groups else ()), at="leaving rollout")
+        check_columns(df, "rollout", *(("scoring",) if cfg.scores_in_rollout else ()), at="leaving rollout")
         lengths = df["response_token_ids"].map(len)
         metrics.update({
             "rollout/samples": float(len(df)), "rollout/response_length": float(lengths.mean()),

@@ -11,7 +11,9 @@ it has (on the first scored groups, unfiltered, when none passes). Prompts after
 batch are drawn by `refill_prompts` (with `data.domain_weights` when they are set). This runs
 where generation runs, in the rollout task (its Ray cluster is the one sized for the generation
 actors; one created here would ask the scoring cluster for a GPU it does not have), and the
-`score` task passes the scored table through.
+`score` task passes the scored table through. With `rollout.score_while_generating` (and no
+filter) the same scheduler runs over the rollout's own B prompts only: every group is kept, and the
+point is that each is scored while later chunks (`rollout.chunk_prompts`) still generate.
 
 Domains routed to a model reward (`judge`, `reward_model`) are scored in batches by a model each
 reward worker loads once (engines/rewards/models.py).
@@ -115,8 +117,9 @@ class RayRewards:
     """engines/scheduler.py `RewardSide` over the reward workers: one `RewardWorker.score` call per
     group, round-robin over `reward.num_workers` actors, each sample's call isolated (timeout,
     exception -> 0 and flagged). A group whose worker crashes is re-scored by `score_table` (one by
-    one in fresh workers). `abort` is `ray.cancel`: a call already running finishes (each sample
-    bounded by `reward.timeout_s`). `close` replaces workers left holding a hung call."""
+    one in fresh workers). `abort` drops the call's result: a call already queued or running still
+    finishes (each sample bounded by `reward.timeout_s`). `close` replaces workers left holding a
+    hung call."""
 
     def __init__(self, spec: RunSpec, role: str = "reward"):
         cfg = config_of(spec)
@@ -195,11 +198,13 @@ def dynamic_sampling(spec: RunSpec, generation, prompts: pd.DataFrame, train: pd
 
     cfg = config_of(spec)
     want, workers = cfg.rollout.prompts_per_iteration, cfg.rollout.num_workers
+    filters = group_filters(cfg.algorithm)
     rewards = RayRewards(spec)
-    try:
-        result = RolloutScheduler(generation, rewards, group_filters(cfg.algorithm), want=want,
-                                  max_prompts=want * cfg.algorithm.max_generation_rounds,
-                                  chunk_size=-(-want // workers), max_chunks_in_flight=workers).run(
+    try:  # without filters every group is kept: the budget is the batch itself, never a refill
+        result = RolloutScheduler(generation, rewards, filters, want=want,
+                                  max_prompts=want * cfg.algorithm.max_generation_rounds if filters else want,
+                                  chunk_size=cfg.rollout.chunk_prompts or -(-want // workers),
+                                  max_chunks_in_flight=workers).run(
             prompt_stream(cfg, prompts, train, iteration))
     finally:
         rewards.close()
@@ -215,6 +220,8 @@ def dynamic_sampling(spec: RunSpec, generation, prompts: pd.DataFrame, train: pd
                             [x for _, x, _ in scored], [e for _, _, e in scored])
 
     metrics = {**reward_metrics(table([g for g in result.groups if g.rewards])), **result.metrics(want)}
+    if not filters:  # nothing was filtered: the dynamic_sampling/* counts would only restate the batch
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
     return table(groups), metrics
 
 
@@ -249,7 +256,8 @@ def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFr
 @task(task_config=ray_job("scoring"), **task_resources("scoring"))
 def score(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFrame:
     """Adds `reward` and `reward_error` to every row. A table that already has them was scored
-    (with `algorithm.filter_groups`, by the rollout task's scheduler): it passes through as is."""
+    (with `algorithm.filter_groups` or `rollout.score_while_generating`, by the rollout task's
+    scheduler): it passes through as is."""
     if "reward" in batch.columns:
         check_columns(batch, "rollout", "scoring", at="entering scoring (scored by the rollout's scheduler)")
         return batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 
 import ray
 
@@ -53,12 +54,17 @@ def generation_worker_kwargs(cfg) -> dict:
             if r.engine == "vllm" else {}}
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"abort": 1})
 class GenerationWorker:
     """A generation engine (config `rollout.engine`: `hf` or `vllm`) for rollouts and evaluation.
 
     vLLM runs its engine core inside this actor (VLLM_ENABLE_V1_MULTIPROCESSING=0: no process outside
-    Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree."""
+    Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree.
+
+    Every method runs one at a time, in call order, except `abort`, which has its own concurrency
+    group so it reaches a `generate` call that is running: the HF engine then stops after its
+    current decode step (rows cut short end with finish_reason "abort"), and the actor is free for
+    the next call at once instead of after the whole discarded chunk."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
                  compile_decode: bool = False, pack_weights: bool = False, devices: dict | None = None):
@@ -69,6 +75,7 @@ class GenerationWorker:
         self.engine, self.tokenizer, self.key, self.micro_batch = None, None, None, micro_batch
         self.compile_decode, self.pack_weights = compile_decode, pack_weights
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
+        self.aborts: dict[str, threading.Event] = {}  # request id -> its abort event, while it may still run
 
     def load(self, spec, key: str) -> str:
         """Make `key` the served policy: first load, or an in-place weight update."""
@@ -116,8 +123,27 @@ class GenerationWorker:
 
         return encode_prompts(self.tokenizer, prompts, chat)
 
-    def generate(self, prompt_token_ids: list[list[int]], params):
-        return self.engine.generate(prompt_token_ids, params)
+    def generate(self, prompt_token_ids: list[list[int]], params, request_id: str | None = None):
+        """Completions of every prompt. `request_id`: a name `abort` can stop this call by (HF
+        engine; vLLM's blocking `LLM.generate` has no abort here, so its calls run to the end)."""
+        if request_id is None or self.engine_name != "hf":
+            return self.engine.generate(prompt_token_ids, params)
+        event = self.aborts.setdefault(request_id, threading.Event())  # set already if the abort came first
+        try:
+            return self.engine.generate(prompt_token_ids, params, abort=event)
+        finally:
+            self.aborts.pop(request_id, None)
+
+    @ray.method(concurrency_group="abort")
+    def abort(self, request_id: str) -> bool:
+        """Stop generate call `request_id` (running, or queued behind another call: it then returns
+        at once with nothing generated). False when no such call is running; an abort that arrives
+        before its call starts is remembered until the call starts."""
+        running = request_id in self.aborts
+        self.aborts.setdefault(request_id, threading.Event()).set()
+        while len(self.aborts) > 256:  # aborts of calls that had already finished: keep a bounded few
+            self.aborts.pop(next(iter(self.aborts)))
+        return running
 
     def episodes(self, env_name: str, seeds: list[int], group_size: int, max_turns: int, max_context_tokens: int, params, env_kwargs: dict,
                  chat: bool = False):
@@ -261,8 +287,23 @@ class TrainWorker:
         return backend
 
     def load(self, spec, key: str, training_cfg: dict, algorithm_cfg: dict | None = None) -> str:
+        """Make `key` the policy this actor trains: "cached" when it holds it (it trained it, so it has
+        its optimizer and objective state too), else loaded from the store with its trainer_state.pt.
+        A version of this run published without one (checkpoint.optimizer_every) is rebuilt by
+        replaying the updates since the newest one that has it (tasks/replay.py)."""
         if self.key == key:
             return "cached"
+        from tasks.common import store_of
+        from tasks.replay import deferred_chain, replay
+
+        base, chain = deferred_chain(store_of(spec), spec.run_id, key)
+        if chain:
+            return replay(self, spec, key, base, chain, training_cfg, algorithm_cfg)
+        return self._load(spec, key, training_cfg, algorithm_cfg)
+
+    def _load(self, spec, key: str, training_cfg: dict, algorithm_cfg: dict | None = None, state: dict | None = None) -> str:
+        """Build the engines from version `key`'s weights and its trainer_state.pt, or `state` when
+        given (a replayed one: tasks/replay.py)."""
         import torch
 
         from engines.modeling import load_policy
@@ -274,7 +315,8 @@ class TrainWorker:
         model_dir = fetch_cached(spec, key)
         device, dtype = _placed(self.devices, "actor_train")
         path = os.path.join(model_dir, TRAINER_STATE)
-        state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
+        if state is None:
+            state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
         lora = training_cfg.get("lora") or {}
         resume_lora = bool(lora.get("rank")) and "lora_adapter" in state and "lora_base" in state
         # LoRA: the adapters sit on the frozen base they started from (the merged checkpoint is for generation)
@@ -289,8 +331,8 @@ class TrainWorker:
                                        compile=training_cfg.get("compile", False), compute_dtype=dtype, lora=lora,
                                        gradient_checkpointing=training_cfg.get("gradient_checkpointing", False), **opt)
         if not state and key.startswith("runs/"):  # a run's own version without it: pruned
-            print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions keep "
-                  "it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
+            print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions that "
+                  "hold one keep it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
         if state and self.engine.lora != ("lora_adapter" in state):  # the other mode's optimizer state does not fit
             print(f"flyroll: policy {key}'s {TRAINER_STATE} was written {'with' if 'lora_adapter' in state else 'without'} "
                   "LoRA and training.lora says otherwise: the optimizer moments and LR schedule start afresh", flush=True)
@@ -310,10 +352,12 @@ class TrainWorker:
         return "loaded"
 
     def step(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int, next_key: str,
-             train_actor: bool = True, out: tuple[str, str] | None = None) -> tuple[dict, dict[str, bytes]]:
-        """One update (critic, then actor unless `train_actor` is False: critic warmup) on a scored
-        table; returns (metrics, checkpoint files as bytes, the critic under critic/). Under a
-        multi-process strategy every rank returns the same metrics and only rank 0 the files.
+             train_actor: bool = True, out: tuple[str, str] | None = None,
+             trainer_state: bool = True) -> tuple[dict, dict[str, bytes]]:
+        """One update (`update`) on a scored table; returns (metrics, checkpoint files as bytes, the
+        critic under critic/). Under a multi-process strategy every rank returns the same metrics and
+        only rank 0 the files. `trainer_state`: False leaves trainer_state.pt out of the checkpoint
+        (checkpoint.optimizer_every; this actor keeps it in memory).
 
         `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, the
         checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
@@ -323,12 +367,48 @@ class TrainWorker:
 
         import torch
 
-        from configs.algorithm import AlgorithmConfig
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.lora import plain_model
         from engines.modeling import save_policy
-        from engines.rl_step import prepare_update, table_tensors
         from tasks.common import TRAINER_STATE
+
+        metrics = self.update(table, algorithm_cfg, training_cfg, temperature, seed, train_actor)
+        self.key = next_key  # what weight_sync will publish these weights as
+        # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
+        state = self.trainer_state() if trainer_state else None
+        weights = self.engine.checkpoint_state_dict()  # LoRA: merged into plain weights
+        critic_weights = None
+        if self.critic_engine is not None:
+            critic_weights = self.critic_engine.strategy.full_state_dict()
+        if self.rank != 0:
+            return metrics, {}
+
+        def save(d: str) -> None:
+            save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)
+            if self.critic_engine is not None:
+                save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
+            if state is not None:
+                torch.save(state, os.path.join(d, TRAINER_STATE))
+
+        if out is not None and out[0] == ray.get_runtime_context().get_node_id():
+            save(out[1])
+            return metrics, {}
+        with tempfile.TemporaryDirectory() as d:
+            save(d)
+            files = {}
+            for root, _, names in os.walk(d):
+                for n in names:
+                    p = os.path.join(root, n)
+                    with open(p, "rb") as f:
+                        files[os.path.relpath(p, d)] = f.read()
+        return metrics, files
+
+    def update(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int,
+               train_actor: bool = True) -> dict:
+        """The update itself (critic, then actor unless `train_actor` is False: critic warmup) on a
+        scored table, objective state included; returns its metrics. Writes nothing."""
+        from configs.algorithm import AlgorithmConfig
+        from engines.rl_step import prepare_update, table_tensors
         from tasks.types import TOKEN_FLOAT_COLUMNS
 
         cfg = AlgorithmConfig.model_validate(algorithm_cfg)
@@ -349,34 +429,14 @@ class TrainWorker:
             metrics.update(self.engine.train_step(batch, update.advantages, old, ref, cfg, temperature=temperature,
                                                   rollout_logprobs=behaviour, kl_coef=update.kl_coef, **sizes))
         self.algo_state = update.state
-        self.key = next_key  # what weight_sync will publish these weights as
-        # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
-        trainer_state = {**self.engine.state_dict(), "algorithm": update.state.to_dict()}
+        return metrics
+
+    def trainer_state(self) -> dict:
+        """Collective. What trainer_state.pt holds: optimizer moments and LR schedule (with LoRA the
+        adapters and the frozen base's key), the objective state, the critic's optimizer state."""
+        state = {**self.engine.state_dict(), "algorithm": self.algo_state.to_dict()}
         if self.engine.lora:  # the frozen base's key: a resume loads it and puts the adapters back on it
-            trainer_state["lora_base"] = self.lora_base
-        weights = self.engine.checkpoint_state_dict()  # LoRA: merged into plain weights
-        critic_weights = None
+            state["lora_base"] = self.lora_base
         if self.critic_engine is not None:
-            trainer_state["critic"] = self.critic_engine.state_dict()
-            critic_weights = self.critic_engine.strategy.full_state_dict()
-        if self.rank != 0:
-            return metrics, {}
-
-        def save(d: str) -> None:
-            save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)
-            if self.critic_engine is not None:
-                save_critic(self.critic_engine.critic, os.path.join(d, CRITIC_SUBDIR), state_dict=critic_weights)
-            torch.save(trainer_state, os.path.join(d, TRAINER_STATE))
-
-        if out is not None and out[0] == ray.get_runtime_context().get_node_id():
-            save(out[1])
-            return metrics, {}
-        with tempfile.TemporaryDirectory() as d:
-            save(d)
-            files = {}
-            for root, _, names in os.walk(d):
-                for n in names:
-                    p = os.path.join(root, n)
-                    with open(p, "rb") as f:
-                        files[os.path.relpath(p, d)] = f.read()
-        return metrics, files
+            state["critic"] = self.critic_engine.state_dict()
+        return state

@@ -145,6 +145,13 @@ def test_group_estimators_need_two_samples(tmp_path, advantage):
     assert cfg.rollout.samples_per_prompt == 1
 
 
+def test_score_while_generating_is_refused_for_the_agentic_workflow(tmp_path):
+    msg = config_error(tmp_path, "env:\n  name: frozenlake\nrollout:\n  score_while_generating: true\n")
+    assert "rollout.score_while_generating" in msg and "agentic" in msg
+    cfg = load_config(write(tmp_path, "rollout:\n  score_while_generating: true\n  chunk_prompts: 2\n"))
+    assert cfg.scores_in_rollout and cfg.rollout.chunk_prompts == 2 and not FlyrollConfig().scores_in_rollout
+
+
 def test_unknown_domain_is_refused(tmp_path):
     msg = config_error(tmp_path, "data:\n  domains: [arithmetic, poetry]\n")
     assert "data.domains" in msg and "poetry" in msg and "reverse" in msg

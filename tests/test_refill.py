@@ -117,3 +117,46 @@ def test_the_rollout_scheduler_keeps_exactly_the_batch_through_ray(tmp_path, mon
         assert len(client.get_metric_history(spec.mlflow_run_id, key)) == 1, key
     (kept,) = client.get_metric_history(spec.mlflow_run_id, "dynamic_sampling/kept_groups")
     assert kept.value == 3.0
+
+
+def test_score_while_generating_scores_in_the_rollout_task_chunk_by_chunk(tmp_path, monkeypatch, tiny_model_dir):
+    """rollout.score_while_generating through the real rollout task: the batch leaves it scored, all B
+    groups (no filter, no refill), generated in chunks of rollout.chunk_prompts with each chunk's
+    groups handed to the reward workers before the next chunk is generated; the score task passes
+    the table through as it came."""
+    import yaml
+
+    import tasks.rollout
+    from infra import tracking
+    from infra.ray_session import shutdown
+    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tasks.scoring import score
+    from tests.test_workflow import REPO
+
+    raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
+    raw["run"]["output_dir"] = str(tmp_path / "runs")
+    raw["model"] = {"path": tiny_model_dir}
+    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3, score_while_generating=True,
+                          chunk_prompts=1)
+    raw["reward"]["functions"] = {"arithmetic": "tests.test_scheduler:parity", "reverse": "tests.test_scheduler:parity"}
+    (tmp_path / "overlap.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    spec, model_spec = prepare_run(config=str(tmp_path / "overlap.yaml"), restart=False)
+    dataset = make_dataset(spec=spec)
+    try:
+        batch = tasks.rollout.rollout(spec=spec, policy=build_base_policy(model_spec), dataset=dataset, iteration=1)
+        scored = score(spec=spec, batch=batch, iteration=1)
+    finally:
+        shutdown()
+    assert batch["group_id"].nunique() == 3 and len(batch) == 6
+    assert {"reward", "reward_error"} <= set(batch.columns) and batch["reward_error"].isna().all()
+    assert scored.equals(batch)
+    client = tracking.client(spec.tracking_uri)
+
+    def last(key):
+        return client.get_metric_history(spec.mlflow_run_id, key)[-1].value
+
+    assert last("rollout/generation_chunks") == 3.0
+    assert abs(last("rollout/groups_scored_during_generation") - 2 / 3) < 1e-9
+    assert not client.get_metric_history(spec.mlflow_run_id, "dynamic_sampling/kept_groups")  # nothing was filtered
+    assert client.get_metric_history(spec.mlflow_run_id, "reward/mean")

@@ -141,3 +141,24 @@ def test_group_filters_follow_the_algorithm_config():
     assert group_filters(parse_config({}).algorithm) == []
     with pytest.raises(ValueError, match="want = 0"):
         RolloutScheduler(None, None, [], want=0, max_prompts=1, chunk_size=1)
+
+
+def test_groups_are_scored_while_later_chunks_generate_and_the_tail_is_reported(tiny_policy):
+    """No filter (rollout.score_while_generating): every group is kept; with chunks of one prompt each
+    group goes to the reward side before the next chunk is generated, and a slow reward leaves only
+    the last groups' scoring after generation (`rollout/reward_tail_s`). One chunk for the whole
+    batch: no group is scored during generation."""
+    gen, rew, _ = _sides(tiny_policy, reward_threads=4, reward_delay=0.3)
+    res = RolloutScheduler(gen, rew, [], want=4, max_prompts=4, chunk_size=1).run(_prompts(4))
+    assert [g.status for g in res.groups] == [KEPT] * 4 and res.chunks == 4
+    times = [g.times for g in res.groups]
+    assert all(t["submitted"] <= t["generated"] <= t["scored"] for t in times)
+    assert [t["generated"] for t in times] == sorted(t["generated"] for t in times)
+    m = res.metrics(want=4)
+    assert m["rollout/groups_scored_during_generation"] == 0.75   # all but the last chunk's group
+    assert 0.3 <= m["rollout/reward_tail_s"]                        # the last group's own reward, at least
+    gen, rew, _ = _sides(tiny_policy, reward_threads=4, reward_delay=0.3)
+    res = RolloutScheduler(gen, rew, [], want=4, max_prompts=4, chunk_size=4).run(_prompts(4))
+    m = res.metrics(want=4)
+    assert res.chunks == 1 and m["rollout/groups_scored_during_generation"] == 0.0
+    assert m["rollout/reward_tail_s"] >= 0.3
