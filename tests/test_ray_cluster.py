@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,13 @@ def test_reap_removes_only_clusters_whose_owner_is_gone(tmp_path):
     # a process still naming the dead owner's dir (a straggling raylet) is stopped before the removal
     straggler = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(120)", str(gone / "session_x")])
     try:
+        # until its exec, the child's command line is still this process's: wait until it names the dir
+        # (a loaded box took long enough that the reap ran first and found nobody to stop)
+        for _ in range(1000):
+            if straggler.pid in _users(str(gone)):
+                break
+            time.sleep(0.01)
+        assert straggler.pid in _users(str(gone))
         assert reap_orphan_clusters(str(tmp_path)) == [str(gone)]
         assert straggler.wait(timeout=10) == -9
     finally:
