@@ -83,30 +83,40 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     assert list(scored["reward"]) == list(batch["reward"]) == [1.0] * 4  # nothing informative: the unfiltered batch
 
 
-def test_the_rollout_scheduler_keeps_exactly_the_batch_through_ray(tmp_path, monkeypatch, tiny_model_dir):
-    """DAPO through the real rollout task with a reward that varies within groups (tests/test_scheduler.py
-    `parity`): the scheduler over the Ray generation actors and reward workers returns exactly
-    prompts_per_iteration groups, each with differing rewards, and logs its metrics."""
+def _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, name: str, rollout: dict, algorithm: dict | None = None):
+    """(spec, base policy, dataset) of the e2e config on the tiny model with B=3 x G=2, 3 new tokens
+    and tests/test_scheduler.py `parity` as every domain's reward (it varies within groups), plus
+    `rollout` / `algorithm` settings; the run folder and cache under tmp_path."""
     import yaml
 
-    import tasks.rollout
-    from infra import tracking
-    from infra.ray_session import shutdown
     from tasks.prepare import build_base_policy, make_dataset, prepare_run
     from tests.test_workflow import REPO
 
     raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
     raw["run"]["output_dir"] = str(tmp_path / "runs")
     raw["model"] = {"path": tiny_model_dir}
-    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3)
+    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3, **rollout)
     raw["reward"]["functions"] = {"arithmetic": "tests.test_scheduler:parity", "reverse": "tests.test_scheduler:parity"}
-    raw["algorithm"] = {"filter_groups": True, "max_generation_rounds": 8, "kl_coef": 0.0}
-    (tmp_path / "dapo.yaml").write_text(yaml.safe_dump(raw))
+    if algorithm is not None:
+        raw["algorithm"] = algorithm
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    spec, model_spec = prepare_run(config=str(tmp_path / "dapo.yaml"), restart=False)
-    dataset = make_dataset(spec=spec)
+    spec, model_spec = prepare_run(config=str(tmp_path / f"{name}.yaml"), restart=False)
+    return spec, build_base_policy(model_spec), make_dataset(spec=spec)
+
+
+def test_the_rollout_scheduler_keeps_exactly_the_batch_through_ray(tmp_path, monkeypatch, tiny_model_dir):
+    """DAPO through the real rollout task with a reward that varies within groups (tests/test_scheduler.py
+    `parity`): the scheduler over the Ray generation actors and reward workers returns exactly
+    prompts_per_iteration groups, each with differing rewards, and logs its metrics."""
+    import tasks.rollout
+    from infra import tracking
+    from infra.ray_session import shutdown
+
+    spec, policy, dataset = _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, "dapo", {},
+                                                {"filter_groups": True, "max_generation_rounds": 8, "kl_coef": 0.0})
     try:
-        batch = tasks.rollout.rollout(spec=spec, policy=build_base_policy(model_spec), dataset=dataset, iteration=1)
+        batch = tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=1)
     finally:
         shutdown()
     assert batch["group_id"].nunique() == 3 and len(batch) == 6
@@ -124,27 +134,15 @@ def test_score_while_generating_scores_in_the_rollout_task_chunk_by_chunk(tmp_pa
     groups (no filter, no refill), generated in chunks of rollout.chunk_prompts with each chunk's
     groups handed to the reward workers before the next chunk is generated; the score task passes
     the table through as it came."""
-    import yaml
-
     import tasks.rollout
     from infra import tracking
     from infra.ray_session import shutdown
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
     from tasks.scoring import score
-    from tests.test_workflow import REPO
 
-    raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
-    raw["run"]["output_dir"] = str(tmp_path / "runs")
-    raw["model"] = {"path": tiny_model_dir}
-    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3, score_while_generating=True,
-                          chunk_prompts=1)
-    raw["reward"]["functions"] = {"arithmetic": "tests.test_scheduler:parity", "reverse": "tests.test_scheduler:parity"}
-    (tmp_path / "overlap.yaml").write_text(yaml.safe_dump(raw))
-    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    spec, model_spec = prepare_run(config=str(tmp_path / "overlap.yaml"), restart=False)
-    dataset = make_dataset(spec=spec)
+    spec, policy, dataset = _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, "overlap",
+                                                {"score_while_generating": True, "chunk_prompts": 1})
     try:
-        batch = tasks.rollout.rollout(spec=spec, policy=build_base_policy(model_spec), dataset=dataset, iteration=1)
+        batch = tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=1)
         scored = score(spec=spec, batch=batch, iteration=1)
     finally:
         shutdown()
