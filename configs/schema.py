@@ -101,6 +101,7 @@ class RolloutConfig(_Section):
     micro_batch: int = Field(256, ge=1, description="Prompts x samples per generate call inside one engine (engine 'hf'; vLLM schedules its own batches).")
     score_while_generating: bool = Field(False, description="Score in the rollout task, each group as soon as its chunk of prompts is generated (the rollout scheduler, engines/scheduler.py, without filters), so a slow reward (code sandbox, judge) runs on the reward workers while later chunks generate instead of after the whole batch; the scoring task then passes the table through. It overlaps only when a batch is more than one chunk: set rollout.chunk_prompts below prompts_per_iteration / num_workers. Always the case under algorithm.filter_groups. Off by default: smaller generate calls cost generation throughput (benchmarks/reward_overlap.py measures both).")
     chunk_prompts: int | None = Field(None, ge=1, description="Prompts per generation request when the rollout scheduler drives the rollout (algorithm.filter_groups or rollout.score_while_generating). None = ceil(prompts_per_iteration / num_workers): one chunk per generation actor. Smaller chunks let finished groups be scored (and dynamic sampling stop) sooner, at the price of smaller generate batches.")
+    partial_rollout_max_split: int = Field(1, ge=1, le=1024, description="Partial rollout (MindSpeed-RL's partial_rollout_max_split, for long generations): N > 1 = each round gives every sample at most ceil(max_new_tokens / N) new tokens; a group whose samples all finished is complete, and once prompts_per_iteration groups are complete the batch is the oldest of them, while unfinished samples are carried into the next iteration with their tokens so far (published in the store: tasks/partial_rollout.py) and continued by the next policy, so one long sample no longer holds up the batch. Carried samples are off-policy: needs algorithm.tis_cap; not with env, algorithm.filter_groups, rollout.score_while_generating, pipeline.off_policy_steps or data.domain_weights. 1 = off (every sample is generated whole in its iteration).")
     hf_compile_decode: bool = Field(False, description="engine 'hf' on a GPU: transformers' compiled decode (torch.compile with CUDA graphs over the static KV cache of group sampling, samples_per_prompt > 1). Each new batch shape compiles once (~30 s for a 0.5B model on an H200; cache lengths are rounded up to 128 tokens so prompt widths share graphs), then decode ran 3.9x faster there. No effect on CPU.")
     hf_pack_weights: bool = Field(False, description="engine 'hf' on CPU: decode with the float32 linear weights in MKL's packed GEMM layout (engines/generation.py packed_decode_linears), for calls of max_new_tokens >= 8; the packed copy lives for one generate call (+540 MB for SmolLM2 while decoding, ~0.2 s to pack). Same log-probs to float rounding. Off by default: SmolLM2's 8 x 8 x 32-token rollout took 5.54 -> 4.77 s with it on 2 cores, but in flyroll bench's alternating step the update after it got ~0.8 s slower, not yet explained (docs/engines.md). No effect on GPUs or where torch has no MKL.")
 
@@ -295,6 +296,23 @@ class FlyrollConfig(_Section):
                 raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps} samples with a policy "
                                  f"{self.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
                                  "the update corrects it with truncated importance sampling")
+        split = self.rollout.partial_rollout_max_split
+        if split > 1:
+            refused = [name for name, on in (
+                ("env (the agentic workflow)", self.env is not None),
+                ("algorithm.filter_groups (dynamic sampling)", self.algorithm.filter_groups),
+                ("rollout.score_while_generating (the rollout scheduler)", self.rollout.score_while_generating),
+                (f"pipeline.off_policy_steps={self.pipeline.off_policy_steps}", self.pipeline.off_policy_steps > 0),
+                ("data.domain_weights (per-batch domain quotas)", bool(self.data.domain_weights))) if on]
+            if refused:
+                raise ValueError(f"rollout.partial_rollout_max_split={split} is built for the plain synchronous RLVR "
+                                 f"rollout; it does not handle {', '.join(refused)}: unset that, or set "
+                                 "rollout.partial_rollout_max_split: 1")
+            if self.algorithm.tis_cap is None:
+                raise ValueError(f"rollout.partial_rollout_max_split={split} carries unfinished samples into the next "
+                                 "iteration, where a newer policy continues them (their earlier tokens are off-policy); "
+                                 "set algorithm.tis_cap (e.g. 2.0) so the update corrects them with truncated "
+                                 "importance sampling")
         if self.rollout.score_while_generating and self.env is not None:
             raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
                              "scores each episode's steps in the environment: set it false")

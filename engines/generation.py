@@ -45,7 +45,8 @@ class Completion:
 
 
 class GenerationEngine(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 abort: threading.Event | None = None) -> list[Completion]: ...  # abort: stop early once set
 
     def load_weights(self, model_dir: str) -> None: ...
 

@@ -12,6 +12,9 @@ Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, li
   engine under the untruncated one.
 - stop strings end the response at the token that completed them (`include_stop_str_in_output`),
   EOS is kept as the last token; finish reason "stop" (EOS or stop string) or "length".
+- abort: `generate(..., abort=event)` adds one request per prompt and steps vLLM's engine itself
+  (as `LLM.generate` does inside); once the event is set it aborts the requests still running after
+  the current step (KV blocks freed) and returns, the samples cut short with finish reason "abort".
 - `load_weights(model_dir)`: new policy weights in place, no restart, through vLLM's
   `reload_weights` (the only path that works on CPU, where linear weights are repacked at load),
   then the prefix cache is reset so no KV block of the old policy is reused.
@@ -32,8 +35,10 @@ directory only detokenises to find stop strings.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
 import time
 
 from engines.generation import Completion, SamplingParams
@@ -141,48 +146,84 @@ class VLLMGenerationEngine:
         self._vllm = vllm
         self.sleeping = False
         self.last_reload_s = 0.0
+        self._calls = itertools.count()  # request ids of generate calls
 
     # -------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 abort: threading.Event | None = None) -> list[Completion]:
+        """Completions of every prompt: prompt order, then sample order (n per prompt).
+
+        Drives vLLM's engine step by step (what `LLM.generate` does inside): one request per prompt
+        under its own id, `step()` until each has finished. `abort`: once set (from another thread),
+        the requests still running are aborted in vLLM after the current step (their KV blocks
+        freed) and the call returns at once: every sample comes back, those cut short with
+        finish_reason "abort" and the tokens (and log-probs) they had, possibly none; the caller
+        discards them. An `abort` set before the call starts makes it return [] (nothing generated),
+        as the HF engine does."""
         from vllm.inputs import TokensPrompt
 
+        if abort is not None and abort.is_set():
+            return []
         if self.sleeping:
             self.wake_up()
-        greedy = params.temperature <= 0
-        per_prompt = [
-            self._vllm.SamplingParams(
-                n=params.n,
-                temperature=0.0 if greedy else params.temperature,
-                top_p=1.0 if greedy else params.top_p,
-                top_k=0 if greedy else params.top_k,
-                max_tokens=params.max_new_tokens,
-                stop=list(params.stop) or None,
-                include_stop_str_in_output=True,
-                logprobs=0,                                            # the sampled token's only
-                seed=None if params.seed is None else params.seed + i * params.n,
-            )
-            for i in range(len(prompt_token_ids))
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        results = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        engine, n = self.llm.llm_engine, params.n
+        call = f"flyroll-{next(self._calls)}"  # unique per call: no id of an earlier (aborted) call is reused
+        request_ids = {f"{call}-{i}": i for i in range(len(prompt_token_ids))}
+        tokens = [[[] for _ in range(n)] for _ in prompt_token_ids]           # [P][n][T]
+        logprobs = [[[] for _ in range(n)] for _ in prompt_token_ids]         # [P][n][T]
+        finish: list[list[str | None]] = [[None] * n for _ in prompt_token_ids]
+        running, aborted = set(request_ids), False
+        try:
+            for rid, i in request_ids.items():
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt_token_ids[i])), self.vllm_params(params, i))
+            while running and engine.has_unfinished_requests():
+                if abort is not None and abort.is_set():
+                    aborted = True
+                    break
+                for res in engine.step():
+                    i = request_ids.get(res.request_id)
+                    if i is None:  # not this call's (nothing else should be in the engine)
+                        continue
+                    for c in res.outputs:  # DELTA: the tokens new in this step
+                        if c.finish_reason not in (None, "stop", "length"):
+                            raise RuntimeError(f"vLLM request {i} sample {c.index} ended with finish_reason={c.finish_reason!r}")
+                        tokens[i][c.index].extend(c.token_ids)
+                        logprobs[i][c.index].extend(float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs))
+                        finish[i][c.index] = c.finish_reason or finish[i][c.index]
+                    if res.finished:
+                        running.discard(res.request_id)
+        finally:
+            if running:  # aborted, or an exception: free the requests' KV blocks, leave the engine empty
+                engine.abort_request(list(running))
         out: list[Completion] = []
-        for i, res in enumerate(results):  # vLLM returns requests in input order
-            for j, c in enumerate(sorted(res.outputs, key=lambda c: c.index)):
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM request {i} sample {j} ended with finish_reason={c.finish_reason!r}")
-                ids = list(c.token_ids)
-                logprobs = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
-                out.append(
-                    Completion(
-                        prompt_index=i,
-                        sample_index=j,
-                        token_ids=ids,
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    )
-                )
+        for i in range(len(prompt_token_ids)):
+            for j in range(n):
+                if finish[i][j] is None and not aborted:
+                    raise RuntimeError(f"vLLM request {i} sample {j} left the engine without finishing")
+                out.append(Completion(prompt_index=i, sample_index=j, token_ids=tokens[i][j], logprobs=logprobs[i][j],
+                                      finish_reason=finish[i][j] or "abort",
+                                      text=self.tokenizer.decode(tokens[i][j], skip_special_tokens=True)))
         return out
+
+    def vllm_params(self, params: SamplingParams, i: int):
+        """vLLM's SamplingParams of prompt `i` of a call: its own seed `params.seed + i * n` (sample j
+        draws with seed + j), the sampled token's log-prob only, outputs streamed as deltas (so an
+        aborted request still has the tokens it made)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = params.temperature <= 0
+        return self._vllm.SamplingParams(
+            n=params.n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,                                            # the sampled token's only
+            seed=None if params.seed is None else params.seed + i * params.n,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     def load_weights(self, model_dir: str) -> None:
         """In-place weight update from a model directory of the same architecture (no restart)."""

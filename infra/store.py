@@ -8,7 +8,9 @@ versions, the producing task and Flyte execution id. Readers trust only a manife
   rename on a local disk), so an interrupted publish leaves no visible version;
 - fetch downloads exactly the files the manifest names and checks each sha256;
 - a published version is immutable: publishing different content to the same key raises
-  `ArtifactExists`, publishing identical content again (a retried task) returns the manifest.
+  `ArtifactExists`, publishing identical content again (a retried task) returns the manifest
+  (`prune` drops files of old checkpoints; `delete` removes a version, used only for a partial
+  rollout's carry, which a rerun of its iteration replaces).
 
 Roots: a local folder (`/data/store`, `file:///data/store`) or `s3://bucket/prefix` through s3fs.
 S3 endpoint and credentials come from `storage_options` (`endpoint_url`, `key`, `secret`) or the
@@ -337,7 +339,7 @@ class ArtifactStore:
         """Drop files from a published version (a retention policy: old versions' optimizer state):
         the manifest is rewritten without them, recording each under `metadata["pruned"]` with
         `reason`, and only then are the files deleted, so a reader never sees a manifest listing a
-        missing file. The one change a published version can undergo. Files the manifest does not
+        missing file. The one change a published version can undergo (besides `delete`). Files the manifest does not
         list are ignored: pruning twice is a no-op."""
         m = self.manifest(key)
         drop = sorted(r for r in rels if r in m.files)
@@ -354,6 +356,18 @@ class ArtifactStore:
             except FileNotFoundError:
                 pass
         return new
+
+    def delete(self, key: str) -> None:
+        """Remove version `key`: its manifest first (the version is gone for every reader at once),
+        then the files it lists. For the one artifact a rerun replaces, a partial rollout's carry
+        (tasks/partial_rollout.py); checkpoints and rollout tables are never deleted."""
+        m = self.manifest(key)
+        self._retry(f"delete {self.uri(key)}/{MANIFEST_NAME}", self.fs.rm_file, self._path(key, MANIFEST_NAME))
+        for rel in m.files:
+            try:
+                self._retry(f"delete {self.uri(key)}/{rel}", self.fs.rm_file, self._path(key, rel))
+            except FileNotFoundError:
+                pass
 
     def _write_manifest(self, key: str, data: bytes) -> None:
         final = self._path(key, MANIFEST_NAME)

@@ -52,19 +52,33 @@ def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
     actors (SmolLM2's optimizer state is 1.1 of its 1.6 GB), `(TRAINER_STATE,)` for the critic's
     values. A later fetch that needs more of a cached version fetches only what it lacks.
     Fetching version N of one of the run's own series (`runs/<run_id>/policy/v0007`) deletes that
-    series' cached versions older than N-1 (`evict_older_versions`)."""
+    series' cached versions older than N-1 (`evict_older_versions`).
+    Processes of one machine share the cache (DDP ranks, generation and training actors loading the
+    same version at once): a file lock per version (`.locks/` in the cache folder; the empty lock
+    files stay) makes one of them fetch while the others wait, so none reads a file another is
+    still writing."""
+    from filelock import FileLock
+
     skip = tuple(skip)
     if skip not in _CACHED:
         raise ValueError(f"fetch_cached: skip must be one of {list(_CACHED)}, got {skip!r}")
     dest = os.path.join(cache_dir(spec), key)
-    have = [s for s, marker in _CACHED.items() if os.path.exists(os.path.join(dest, marker))]
-    if not any(set(s) <= set(skip) for s in have):
-        # a verified copy with less is cached (the fullest one's marker): fetch only the files it left out
-        include = min(have, key=len) if have else None
-        store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include)
-        open(os.path.join(dest, _CACHED[skip]), "w").close()
+    with FileLock(_lock_path(spec, key)):
+        have = [s for s, marker in _CACHED.items() if os.path.exists(os.path.join(dest, marker))]
+        if not any(set(s) <= set(skip) for s in have):
+            # a verified copy with less is cached (the fullest one's marker): fetch only the files it left out
+            include = min(have, key=len) if have else None
+            store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include)
+            open(os.path.join(dest, _CACHED[skip]), "w").close()
     evict_older_versions(spec, key)
     return dest
+
+
+def _lock_path(spec: RunSpec, key: str) -> str:
+    """The file lock of cached version `key` (one empty file per version, under `.locks/`)."""
+    folder = os.path.join(cache_dir(spec), ".locks")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, key.replace("/", "__") + ".lock")
 
 
 _RUN_VERSION = re.compile(r"(runs/.+)/v(\d+)")

@@ -59,16 +59,29 @@ def sample_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: 
     `<iteration>:<prompt_id>`. The rollout and the DAPO refills both sample through it."""
     from engines.datasets import encode_nested
 
+    groups = generate_groups(spec, workers, prompts, version, iteration, seed)
+    return encode_nested(pd.DataFrame([r for group in groups for r in group]))  # tests/metadata as JSON text through parquet
+
+
+def generate_groups(spec: RunSpec, workers: list, prompts: pd.DataFrame, version: int, iteration: int, seed: int,
+                    **overrides) -> list[list[dict]]:
+    """Per prompt of `prompts`, in order, its G sample rows (`completion_rows`) from `workers`, the
+    prompts split evenly over them; `overrides` replace sampling fields (`rollout_sampling`)."""
     cfg = config_of(spec)
     ids = ray.get(workers[0].encode.remote(prompts["prompt"].tolist(), cfg.model.apply_chat_template))
-    params = rollout_sampling(cfg, seed)
-    shards = np.array_split(np.arange(len(ids)), len(workers))
-    futures = [w.generate.remote([ids[i] for i in shard], params) for w, shard in zip(workers, shards) if len(shard)]
-    rows = []
-    for shard, completions in zip(shards, ray.get(futures)):
+    groups = []
+    for shard, completions in generate_sharded(workers, ids, rollout_sampling(cfg, seed, **overrides)):
         part = [prompts.iloc[int(i)] for i in shard]
-        rows.extend(r for group in completion_rows(part, [ids[int(i)] for i in shard], completions, version, iteration) for r in group)
-    return encode_nested(pd.DataFrame(rows))  # tests/metadata as JSON text through parquet
+        groups.extend(completion_rows(part, [ids[int(i)] for i in shard], completions, version, iteration))
+    return groups
+
+
+def generate_sharded(workers: list, ids: list[list[int]], params) -> list[tuple[np.ndarray, list]]:
+    """`ids` split evenly over the generation actors, one `generate` call each, at once: per non-empty
+    shard, in order, (its indices into `ids`, its completions; prompt_index within the shard)."""
+    shards = [s for s in np.array_split(np.arange(len(ids)), len(workers)) if len(s)]
+    futures = [w.generate.remote([ids[int(i)] for i in shard], params) for w, shard in zip(workers, shards)]
+    return list(zip(shards, ray.get(futures)))
 
 
 def completion_rows(prompts: list, ids: list[list[int]], completions: list, version: int, iteration: int) -> list[list[dict]]:
@@ -91,8 +104,8 @@ class RayGeneration:
     """engines/scheduler.py `GenerationSide` over the generation actors: each chunk goes to an idle
     actor (encode, then generate; run at most len(workers) chunks in flight), seeded by `seed` and its
     chunk number, under a request id. `abort` tells the actor to stop that request
-    (`GenerationWorker.abort`: the HF engine stops after its current decode step, so the actor is
-    free for the next stage at once; a vLLM call runs to its end) and drops its result."""
+    (`GenerationWorker.abort`: the engine, HF or vLLM, stops after its current decode step, so the
+    actor is free for the next stage at once) and drops its result."""
 
     def __init__(self, spec: RunSpec, workers: list, version: int, iteration: int, seed: int):
         cfg = config_of(spec)
@@ -145,9 +158,14 @@ def read_table(spec: RunSpec, key: str) -> pd.DataFrame:
 def iteration_prompts(train: pd.DataFrame, batch: int, iteration: int, seed: int) -> pd.DataFrame:
     """Prompts of iteration `iteration` (1-based): consecutive slices of a per-epoch shuffle, so every
     prompt is used once per epoch and the choice is reproducible from (seed, iteration)."""
-    start = (iteration - 1) * batch
+    return stream_prompts(train, (iteration - 1) * batch, batch, seed)
+
+
+def stream_prompts(train: pd.DataFrame, start: int, count: int, seed: int) -> pd.DataFrame:
+    """Positions start..start+count-1 of the prompt stream: per-epoch shuffles of `train`, one after
+    another (epoch e is permutation seed * 1_000_003 + e)."""
     rows = []
-    for pos in range(start, start + batch):
+    for pos in range(start, start + count):
         epoch, offset = divmod(pos, len(train))
         order = np.random.default_rng(seed * 1_000_003 + epoch).permutation(len(train))
         rows.append(int(order[offset]))
@@ -159,7 +177,9 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
     """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
     `algorithm.filter_groups` also scored (reward, reward_error), B groups that pass the filters
     (fewer when the prompt budget runs out; see tasks/scoring.py `dynamic_sampling`); with
-    `rollout.score_while_generating` the B groups, scored."""
+    `rollout.score_while_generating` the B groups, scored; with `rollout.partial_rollout_max_split` > 1
+    the B oldest complete groups of the pool carried from iteration-1 and new prompts, generated in
+    segments (tasks/partial_rollout.py)."""
     cfg = config_of(spec)
     r = cfg.rollout
     metrics: dict[str, float] = {}
@@ -171,10 +191,15 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
 
             prompts = mix_domains(split_by_domain(train), dict(cfg.data.domain_weights), r.prompts_per_iteration,
                                   seed=cfg.run.seed * 1_000_003 + iteration).reset_index(drop=True)
-        else:
+        elif r.partial_rollout_max_split == 1:
             prompts = iteration_prompts(train, r.prompts_per_iteration, iteration, cfg.run.seed)
         workers = generation_pool(spec, policy)
-        if cfg.scores_in_rollout:  # DAPO, or score_while_generating: the scheduler over these actors and the reward workers
+        if r.partial_rollout_max_split > 1:  # carried samples + the prompt stream, in segments (tasks/partial_rollout.py)
+            from tasks.partial_rollout import partial_batch
+
+            df, m = partial_batch(spec, workers, policy, train, iteration)
+            metrics.update(m)
+        elif cfg.scores_in_rollout:  # DAPO, or score_while_generating: the scheduler over these actors and the reward workers
             from tasks.scoring import dynamic_sampling
 
             df, m = dynamic_sampling(spec, RayGeneration(spec, workers, policy.version, iteration,

@@ -47,7 +47,8 @@ _R, _S, _F = "rollout", "scoring", "reference"
 COLUMNS: tuple[Column, ...] = (
     # rollout (tasks/rollout.py completion_rows; tasks/agentic.py episode_rows)
     Column("prompt_id", "str", "id of the prompt in the train split (agentic: seed-<env seed>)", _R),
-    Column("group_id", "str", "<iteration>:<prompt id>; the samples of one prompt (GRPO group) share it", _R),
+    Column("group_id", "str", "<iteration>:<prompt id>; the samples of one prompt (GRPO group) share it (partial "
+           "rollout: the iteration its first segment was generated in)", _R),
     Column("sample_id", "int", "0..G-1 within the group", _R),
     Column("domain", "str", "routes the reward (agentic: the environment's name)", _R),
     Column("prompt", "str", "prompt text as given to the tokenizer", _R),
@@ -62,7 +63,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("behaviour_logprobs", "list[float]", "the generation engine's log-prob of each response token", _R,
            aligned=True),
     Column("finish_reason", "str", "stop or length (agentic: done, max_turns, truncated or env_error)", _R),
-    Column("policy_version", "int", "version of the policy that generated the sample (lineage)", _R),
+    Column("policy_version", "int", "version of the policy that generated the sample (lineage); partial rollout: "
+           "that of its last segment", _R),
+    Column("policy_versions", "list[int]", "partial rollout (rollout.partial_rollout_max_split > 1): the policy version "
+           "of each generated segment, oldest first", _R, optional=True),
     # rollout, agentic only (tasks/agentic.py; engines/env_manager.py Episode)
     Column("loss_mask", "list[int]", "agentic: 1 on the policy's own tokens, 0 on environment tokens", _R, optional=True,
            aligned=True),

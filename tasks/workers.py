@@ -62,9 +62,10 @@ class GenerationWorker:
     Ray's accounting) and gets the tokenizer every other stage loads, so prompt token ids agree.
 
     Every method runs one at a time, in call order, except `abort`, which has its own concurrency
-    group so it reaches a `generate` call that is running: the HF engine then stops after its
-    current decode step (rows cut short end with finish_reason "abort"), and the actor is free for
-    the next call at once instead of after the whole discarded chunk."""
+    group so it reaches a `generate` call that is running: the engine then stops after its current
+    decode step (HF: stops the batch; vLLM: aborts the call's requests in its engine, KV blocks freed;
+    rows cut short end with finish_reason "abort"), and the actor is free for the next call at once
+    instead of after the whole discarded chunk."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
                  compile_decode: bool = False, pack_weights: bool = False, devices: dict | None = None):
@@ -123,10 +124,14 @@ class GenerationWorker:
 
         return encode_prompts(self.tokenizer, prompts, chat)
 
+    def decode(self, token_lists: list[list[int]]) -> list[str]:
+        """Texts of token id lists, as the engines decode a response (special tokens skipped)."""
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_lists]
+
     def generate(self, prompt_token_ids: list[list[int]], params, request_id: str | None = None):
-        """Completions of every prompt. `request_id`: a name `abort` can stop this call by (HF
-        engine; vLLM's blocking `LLM.generate` has no abort here, so its calls run to the end)."""
-        if request_id is None or self.engine_name != "hf":
+        """Completions of every prompt. `request_id`: a name `abort` can stop this call by (both
+        engines check the abort event between decode steps)."""
+        if request_id is None:
             return self.engine.generate(prompt_token_ids, params)
         event = self.aborts.setdefault(request_id, threading.Event())  # set already if the abort came first
         try:

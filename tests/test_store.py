@@ -332,3 +332,42 @@ def test_weight_sync_keeps_the_trainer_state_of_the_newest_versions_only(tmp_pat
     assert files(1) == files(2) == {"model.safetensors", "critic/model.safetensors"}
     assert files(3) == files(4) == {"model.safetensors", "trainer_state.pt", "critic/model.safetensors"}
     assert prune_trainer_states(store, spec, 4, keep=2) is None  # resumed iteration 4: already done
+
+
+def _fetch_and_hash(cache: str, store_root: str, barrier, delay: float) -> str:
+    """In a fresh process: fetch_cached `delay` s after the others' common start, then hash what it got."""
+    import hashlib
+    import time
+
+    os.environ["FLYROLL_CACHE_DIR"] = cache
+    from tasks.common import fetch_cached
+    from tasks.types import RunSpec
+
+    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=store_root, tracking_uri="", mlflow_run_id="")
+    barrier.wait()
+    time.sleep(delay)
+    with open(os.path.join(fetch_cached(spec, "runs/r1/policy/v0001"), "w.bin"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_processes_fetching_one_version_at_once_each_read_it_whole(tmp_path):
+    """Six processes fetch the same uncached version, starting 0.05 s apart (DDP ranks loading a
+    checkpoint): each reads the complete file the moment its fetch_cached returns. Without the
+    per-version lock, a rank that found no copy yet rewrote the file while an earlier one was already
+    reading it (a JSONDecodeError on tokenizer.json in CI); on the code before the lock this test
+    failed."""
+    import hashlib
+    import multiprocessing as mp
+
+    from infra.store import ArtifactStore
+
+    src, data = tmp_path / "src", os.urandom(128 << 20)
+    src.mkdir()
+    (src / "w.bin").write_bytes(data)
+    ArtifactStore(str(tmp_path / "store")).publish(str(src), "runs/r1/policy/v0001", kind="checkpoint", producer="test")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Manager().Barrier(6)
+    with ctx.Pool(6) as pool:
+        got = pool.starmap(_fetch_and_hash, [(str(tmp_path / "cache"), str(tmp_path / "store"), barrier, 0.05 * i)
+                                             for i in range(6)])
+    assert got == [hashlib.sha256(data).hexdigest()] * 6

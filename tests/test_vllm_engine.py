@@ -10,6 +10,7 @@ The tiny model here is 64 wide with 2 heads: vLLM's CPU attention needs head_dim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -205,6 +206,79 @@ def test_sleep_and_wake_up_keep_serving(on_policy_a, policies):
 
 
 @needs_vllm
+def test_generate_returns_what_llm_generate_returns(on_policy_a, policies):
+    """`generate` steps vLLM's engine itself (so it can abort); not aborted, it gives what vLLM's own
+    blocking `LLM.generate` gives for the same requests: the same tokens and finish reasons, and the
+    same log-probs (to 1e-5: two identical vLLM calls on CPU differ by up to ~5e-7 in a few rows)."""
+    from vllm.inputs import TokensPrompt
+
+    from engines.generation import SamplingParams
+
+    tok = policies[2]
+    ids, reasons = encode(tok, PROMPTS), set()
+    for params in (SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3),
+                   SamplingParams(n=8, temperature=0.7, top_p=0.9, max_new_tokens=10, stop=("a", "1"), seed=0),
+                   SamplingParams(temperature=0.0, max_new_tokens=12)):
+        got = on_policy_a.generate(ids, params)
+        results = on_policy_a.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids],
+                                           [on_policy_a.vllm_params(params, i) for i in range(len(ids))], use_tqdm=False)
+        want = [(i, c.index, list(c.token_ids), c.finish_reason, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                for i, r in enumerate(results) for c in sorted(r.outputs, key=lambda c: c.index)]
+        assert [(c.prompt_index, c.sample_index, c.token_ids, c.finish_reason) for c in got] == [w[:4] for w in want]
+        for c, w in zip(got, want):
+            assert c.logprobs == pytest.approx(w[4], abs=1e-5)
+        reasons |= {c.finish_reason for c in got}
+    assert reasons == {"stop", "length"}  # both endings compared
+
+
+@needs_vllm
+def test_abort_from_another_thread_stops_generate_and_frees_the_engine(on_policy_a, policies):
+    """An abort event set from another thread while a long generation runs: the call returns with the
+    samples cut short (finish_reason "abort", a prefix of what the full call makes, far fewer tokens in
+    all), vLLM holds no request afterwards, and the next call repeats the first one (same tokens and
+    finish reasons; log-probs to 1e-5, vLLM's run-to-run noise on CPU being ~5e-7)."""
+    import threading
+    import time
+
+    from engines.generation import SamplingParams
+
+    tok, engine = policies[2], on_policy_a.llm.llm_engine
+    ids = encode(tok, [f"{i}+{i}=" for i in range(16)])
+    long = SamplingParams(n=8, temperature=1.0, max_new_tokens=112, seed=0)   # 128 rows, up to 112 tokens each
+    full = on_policy_a.generate(ids, long)
+    event = threading.Event()
+
+    def abort_soon():  # once the call's requests are in the engine, a few decode steps later
+        while not engine.has_unfinished_requests():
+            time.sleep(0.001)
+        time.sleep(0.3)
+        event.set()
+
+    thread = threading.Thread(target=abort_soon)
+    thread.start()
+    cut = on_policy_a.generate(ids, long, abort=event)
+    thread.join()
+    assert [(c.prompt_index, c.sample_index) for c in cut] == [(c.prompt_index, c.sample_index) for c in full]
+    aborted = [(c, f) for c, f in zip(cut, full) if c.finish_reason == "abort"]
+    assert aborted and sum(len(c.token_ids) for c in cut) > 0  # cut mid-way, with what the samples had
+    assert sum(len(c.token_ids) for c in cut) < sum(len(f.token_ids) for f in full) / 2
+    for c, f in zip(cut, full):  # the same draws up to the abort: every sample a prefix of the full call's
+        assert c.token_ids == f.token_ids[: len(c.token_ids)] and c.logprobs == pytest.approx(f.logprobs[: len(c.logprobs)], abs=1e-5)
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and len(c.logprobs) == len(c.token_ids)
+        if c.finish_reason == "abort":
+            assert len(c.token_ids) < len(f.token_ids)
+        else:  # finished before the abort
+            assert (c.token_ids, c.finish_reason) == (f.token_ids, f.finish_reason)
+    assert not engine.has_unfinished_requests()  # aborted in vLLM: no request left, KV blocks freed
+    again = on_policy_a.generate(ids, long)
+    assert [(c.token_ids, c.finish_reason) for c in again] == [(f.token_ids, f.finish_reason) for f in full]
+    for c, f in zip(again, full):
+        assert c.logprobs == pytest.approx(f.logprobs, abs=1e-5)
+    assert on_policy_a.generate(ids, long, abort=event) == []  # set before the call: nothing generated
+    assert not engine.has_unfinished_requests()
+
+
+@needs_vllm
 def test_unsupported_head_dim_fails_before_the_engine_starts(tmp_path):
     from engines.modeling import build_tiny_policy, save_policy
     from engines.vllm_engine import VLLMGenerationEngine
@@ -224,6 +298,27 @@ def test_config_accepts_engine_vllm():
     assert kwargs["engine"] == "vllm" and kwargs["vllm_options"] == {"kv_cache_gb": 2.0, "seed": cfg.run.seed, "dtype": "float32"}
 
 
+@contextlib.contextmanager
+def generation_actor(tmp_path, monkeypatch, root: str, engine_name: str):
+    """A GenerationWorker actor with `rollout.engine: engine_name` on a fresh local Ray, for a store
+    at `root`; yields (actor, RunSpec). Ray is shut down on the way out."""
+    import ray
+
+    from configs.schema import parse_config
+    from tasks.types import RunSpec
+    from tasks.workers import GenerationWorker, generation_worker_kwargs
+
+    cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"engine": engine_name}})
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))  # the actors inherit the driver's env
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield (GenerationWorker.options(num_cpus=0).remote(**generation_worker_kwargs(cfg)),
+               RunSpec(cfg.to_json(), cfg.hash(), "t", root, "", ""))
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.parametrize("engine_name", ["hf", pytest.param("vllm", marks=needs_vllm)])
 def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engine_name):
     """`rollout.engine` through the Ray actor the rollout, evaluation and weight-sync tasks use: first
@@ -233,11 +328,8 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
     import ray
     import torch
 
-    from configs.schema import parse_config
     from engines.generation import SamplingParams
     from infra.store import ArtifactStore
-    from tasks.types import RunSpec
-    from tasks.workers import GenerationWorker, generation_worker_kwargs
 
     model_a, model_b, tok, dir_a, dir_b = policies
     root = str(tmp_path / "store")
@@ -245,13 +337,7 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
     v0, v1 = "runs/t/policies/v0000", "runs/t/policies/v0001"
     store.publish(dir_a, v0, kind="checkpoint", producer="test")
     store.publish(dir_b, v1, kind="checkpoint", producer="test")
-    cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"engine": engine_name}})
-    spec = RunSpec(cfg.to_json(), cfg.hash(), "t", root, "", "")
-    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))  # the actors inherit the driver's env
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        worker = GenerationWorker.options(num_cpus=0).remote(**generation_worker_kwargs(cfg))
+    with generation_actor(tmp_path, monkeypatch, root, engine_name) as (worker, spec):
         assert ray.get(worker.load.remote(spec, v0)) == "loaded"
         ids = ray.get(worker.encode.remote(PROMPTS, False))
         assert ids == encode(tok, PROMPTS)  # the tokenizer every stage loads, not vLLM's
@@ -285,8 +371,32 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
         assert ray.get(worker.load.remote(spec, v1)) == "cached"
         assert ray.get(worker.load.remote(spec, v0)) == "updated in place"
         assert [c.token_ids for c in ray.get(worker.generate.remote(ids, params))] == [c.token_ids for c in before]
-    finally:
-        ray.shutdown()
+
+
+@needs_vllm
+def test_generation_worker_abort_stops_a_running_vllm_generate(policies, tmp_path, monkeypatch):
+    """`GenerationWorker.abort(request_id)` (its own concurrency group) reaches a running vLLM
+    `generate` in the actor: the engine aborts the call's requests between steps and the call returns
+    with its samples cut short; an abort that comes first makes a queued call return []; the actor then
+    serves the next calls as before (tests/test_generation_abort.py is the HF engine's)."""
+    import ray
+
+    from engines.generation import SamplingParams
+    from infra.store import ArtifactStore
+    from tests.test_generation_abort import abort_then_serve
+
+    root = str(tmp_path / "store")
+    ArtifactStore(root).publish(policies[3], "runs/t/policies/v0000", kind="checkpoint", producer="test")
+    with generation_actor(tmp_path, monkeypatch, root, "vllm") as (worker, spec):
+        assert ray.get(worker.load.remote(spec, "runs/t/policies/v0000")) == "loaded"
+        ids = ray.get(worker.encode.remote([f"{i}+{i}=" for i in range(64)], False))
+        long = SamplingParams(n=8, temperature=1.0, max_new_tokens=112, seed=0)  # 512 rows, up to 112 tokens each
+
+        out = abort_then_serve(worker, ids, long)   # tests/test_generation_abort.py: r1 aborted while it runs, r2 before
+        assert [(c.prompt_index, c.sample_index) for c in out] == [(i, j) for i in range(64) for j in range(8)]
+        cut = [c for c in out if c.finish_reason == "abort"]
+        assert cut and all(len(c.token_ids) < long.max_new_tokens for c in cut)
+        assert sum(len(c.token_ids) for c in out) < 64 * 8 * long.max_new_tokens / 4  # stopped early
 
 
 @needs_vllm
