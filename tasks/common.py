@@ -89,7 +89,11 @@ def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
     (the store keeps every version: a later fetch of one gets it again). A run's checkpoints are
     fetched in order, one per iteration, so without this the cache grew by a checkpoint per
     iteration (13 GB after 8 SmolLM2 iterations). Only the run's own series (`runs/...`); the base
-    model (`models/...`, the reference) stays. Returns the folders deleted."""
+    model (`models/...`, the reference) stays. A version whose lock another process holds (it is
+    fetching that version right now, e.g. a generator lagging `pipeline.off_policy_steps` behind) is
+    left alone; a later fetch evicts it. Returns the folders deleted."""
+    from filelock import FileLock, Timeout
+
     m = _RUN_VERSION.fullmatch(key)
     if not m:
         return []
@@ -97,13 +101,22 @@ def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
     deleted = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         old = re.fullmatch(r"v(\d+)", name)
-        if old and int(old.group(1)) < version - 1:
+        if not (old and int(old.group(1)) < version - 1):
+            continue
+        lock = FileLock(_lock_path(spec, f"{m.group(1)}/{name}"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            continue
+        try:
             path = os.path.join(folder, name)
             for marker in _MARKERS:  # not complete any more before any file goes
                 with suppress(FileNotFoundError):
                     os.remove(os.path.join(path, marker))
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
+        finally:
+            lock.release()
     return deleted
 
 

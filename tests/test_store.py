@@ -246,6 +246,39 @@ def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, mon
     assert cached("runs/r1/policy") == ["v0001", "v0002", "v0003"]
 
 
+def test_eviction_skips_a_version_another_process_is_fetching(tmp_path, monkeypatch):
+    """evict_older_versions leaves a cached version whose fetch lock another process holds (it may be
+    writing or reading its files) and deletes it once the lock is free."""
+    import subprocess
+    import sys
+
+    from infra.store import ArtifactStore
+    from tasks.common import _lock_path, evict_older_versions, fetch_cached
+    from tasks.types import RunSpec
+
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    store = ArtifactStore(str(tmp_path / "store"))
+    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
+                   tracking_uri="", mlflow_run_id="")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(b"x" * 100)
+    for i in (1, 2, 3):
+        store.publish(str(src), f"runs/r1/policy/v{i:04d}", kind="checkpoint", producer="test")
+    v1 = fetch_cached(spec, "runs/r1/policy/v0001")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(60)",
+                               _lock_path(spec, "runs/r1/policy/v0001")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fetch_cached(spec, "runs/r1/policy/v0003")   # would evict v0001: its lock is held elsewhere
+        assert os.path.exists(os.path.join(v1, "w.bin"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert evict_older_versions(spec, "runs/r1/policy/v0003") == [v1] and not os.path.exists(v1)
+
+
 def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypatch):
     """Generation and log-prob actors fetch a checkpoint without trainer_state.pt and critic/
     (SmolLM2's optimizer state is 1.1 of its 1.6 GB), the critic's values without trainer_state.pt;
