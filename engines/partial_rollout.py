@@ -65,20 +65,22 @@ def extend_sample(sample: dict, token_ids: list[int], logprobs: list[float], fin
 
 def cut_at_stop(samples: list[dict], previous: list[int], decode: Callable[[list], list[str]],
                 stop: tuple[str, ...]) -> list[dict]:
-    """Stop strings across a segment boundary (the engine only sees the new segment): a continued
-    sample whose full text holds a stop string is cut at the first token that completes it (its
-    first `previous[i]` tokens had none, else it would have finished) and finishes with "stop"."""
-    if not stop:
-        return samples
+    """Each continued sample with its `response` text, decoded once from all its tokens. Stop strings
+    across a segment boundary (the engine only sees the new segment): a sample whose full text holds
+    a stop string is cut at the first token that completes it (its first `previous[i]` tokens had
+    none, else it would have finished) and finishes with "stop"."""
     texts = decode([s["response_token_ids"] for s in samples])
-    out = list(samples)
+    out = []
     for i, (s, text) in enumerate(zip(samples, texts)):
         if s["finish_reason"] == "stop" or not any(x in text for x in stop):
+            out.append({**s, "response": text})
             continue
         ids = s["response_token_ids"]
         prefixes = decode([ids[:k] for k in range(previous[i] + 1, len(ids) + 1)])
-        k = previous[i] + 1 + next(j for j, t in enumerate(prefixes) if any(x in t for x in stop))
-        out[i] = {**s, "response_token_ids": ids[:k], "behaviour_logprobs": s["behaviour_logprobs"][:k], "finish_reason": "stop"}
+        j = next(j for j, t in enumerate(prefixes) if any(x in t for x in stop))
+        k = previous[i] + 1 + j
+        out.append({**s, "response_token_ids": ids[:k], "behaviour_logprobs": s["behaviour_logprobs"][:k],
+                    "finish_reason": "stop", "response": prefixes[j]})
     return out
 
 
@@ -125,8 +127,7 @@ def partial_rollout(carry: list[dict], position: int, *, batch: int, group_size:
             longer = [extend_sample(s, *out, version) for s, out in zip(samples, outs)]
             longer = cut_at_stop(longer, [len(s["response_token_ids"]) for s in samples], decode, stop)
             generated += sum(len(b["response_token_ids"]) - len(a["response_token_ids"]) for a, b in zip(samples, longer))
-            for s, text in zip(longer, decode([s["response_token_ids"] for s in longer])):
-                continued.append({**s, "response": text})
+            continued.extend(longer)
         done = {id(s) for s in todo}
         pool = [s for s in pool if id(s) not in done] + continued + fresh
         rounds += 1

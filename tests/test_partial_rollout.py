@@ -121,8 +121,9 @@ def test_a_stop_string_across_a_segment_boundary_ends_the_sample():
     s = {"response_token_ids": [1, 2, 3, 4, 5], "behaviour_logprobs": [-1.0] * 5, "finish_reason": "length"}
     (cut,) = cut_at_stop([s], [2], decode, ("bcd",))      # "ab" | "cde": "bcd" completes at token 4
     assert cut["response_token_ids"] == [1, 2, 3, 4] and cut["behaviour_logprobs"] == [-1.0] * 4
-    assert cut["finish_reason"] == "stop"
-    assert cut_at_stop([s], [2], decode, ("zz",)) == [s]
+    assert cut["finish_reason"] == "stop" and cut["response"] == "abcd"
+    assert cut_at_stop([s], [2], decode, ("zz",)) == [{**s, "response": "abcde"}]
+    assert cut_at_stop([s], [2], decode, ()) == [{**s, "response": "abcde"}]
 
 
 @pytest.mark.parametrize("extra, named", [
