@@ -1,0 +1,125 @@
+"""Partial rollout (`rollout.partial_rollout_max_split`) against whole-sample generation on a long-tailed
+length distribution: rollout seconds and generated tokens per iteration, the same iterations side by side.
+
+    python benchmarks/partial_rollout.py                                    # SmolLM2 reasoning preset, 128 new tokens
+    python benchmarks/partial_rollout.py --split 4,8 --max-new 256 --iterations 4
+
+Why it can win: the HF engine decodes a batch until its longest sample ends, so with most answers a
+few tokens long ("Answer: 42" then the stop string "\\n") and a few running to max_new_tokens, every
+iteration pays max_new_tokens decode steps for the whole batch. With max_split N a round decodes at
+most ceil(max_new_tokens / N) steps; samples still running when B groups are complete are carried
+into the next iteration and continued there.
+
+Every side runs the real rollout task (tasks/rollout.py `rollout`: the Ray generation actors, and
+for N > 1 tasks/partial_rollout.py with its carry published in the run's store) in this process on
+one local Ray instance, on `--config` with `rollout.max_new_tokens` = `--max-new` and
+`algorithm.tis_cap` 2.0 (partial rollout requires it), from the config's starting policy, for
+iterations 1..`--iterations`. The policy is not trained between iterations, so this measures the
+generation side only: carried samples are continued by the same weights (in a training run they are
+off-policy, corrected by tis_cap; `rollout/partial_stale_samples` counts them). Sides:
+- `whole`: max_split 1 (every sample generated whole in its iteration);
+- `split-N`: max_split N (`--split`, several values allowed).
+The sides alternate within each iteration. Printed per side and iteration: the rollout stage's
+seconds (`timing/rollout_s`), tokens generated in the iteration (partial: `rollout/partial_generated_tokens`,
+whole: `rollout/tokens`), the batch's mean response length, its truncated fraction and, for
+partial sides, rounds, carried groups and stale samples; then the means and the split / whole
+ratios of rollout seconds. Iteration 1 includes each side's actor start and first policy load.
+Torch threads: the config's run.torch_threads unless `--threads`. Run folder: a temporary directory
+(HOME, caches, store, MLflow). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+KEYS = {"rollout_s": "timing/rollout_s", "response_length": "rollout/response_length",
+        "truncated": "rollout/truncated_frac", "batch_tokens": "rollout/tokens"}
+PARTIAL = {"generated": "rollout/partial_generated_tokens", "rounds": "rollout/partial_rounds",
+           "carried_groups": "rollout/partial_carried_groups", "stale": "rollout/partial_stale_samples"}
+
+
+def side_config(raw: dict, name: str, split: int, args, out: str) -> dict:
+    cfg = copy.deepcopy(raw)
+    cfg.setdefault("run", {}).update(name=f"partial-bench-{name}", output_dir=out)
+    cfg.setdefault("loop", {})["iterations"] = max(args.iterations, 1)
+    if args.threads:
+        cfg["run"]["torch_threads"] = args.threads
+    cfg.setdefault("algorithm", {})["tis_cap"] = 2.0
+    cfg.setdefault("rollout", {}).update(max_new_tokens=args.max_new, partial_rollout_max_split=split)
+    return cfg
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs/smollm2_reasoning.yaml"))
+    p.add_argument("--split", default="8", help="rollout.partial_rollout_max_split, one side per value (comma-separated)")
+    p.add_argument("--max-new", type=int, default=128, help="rollout.max_new_tokens of every side")
+    p.add_argument("--iterations", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0, help="run.torch_threads (0 = the config's)")
+    args = p.parse_args(argv)
+
+    import yaml
+
+    raw = yaml.safe_load(Path(args.config).read_text())
+    work = tempfile.mkdtemp(prefix="flyroll-partial-bench-")
+    os.environ.update(HOME=os.path.join(work, "home"), FLYROLL_CACHE_DIR=os.path.join(work, "cache"),
+                      RAY_USAGE_STATS_ENABLED="0")
+    os.makedirs(os.environ["HOME"], exist_ok=True)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+    import tasks.rollout
+    from infra import tracking
+    from infra.ray_session import shutdown
+    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+
+    sides = {"whole": 1, **{f"split-{n}": int(n) for n in args.split.split(",")}}
+    runs = {}
+    for name, split in sides.items():
+        path = os.path.join(work, f"{name}.yaml")
+        Path(path).write_text(yaml.safe_dump(side_config(raw, name, split, args, os.path.join(work, "runs"))))
+        spec, model_spec = prepare_run(config=path, restart=False)
+        runs[name] = (spec, build_base_policy(model_spec), make_dataset(spec=spec))
+    rows: dict[str, list[dict]] = {k: [] for k in sides}
+    try:
+        for it in range(1, args.iterations + 1):
+            for name, split in sides.items():
+                spec, policy, dataset = runs[name]
+                tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=it)
+                client = tracking.client(spec.tracking_uri)
+                last = lambda key: client.get_metric_history(spec.mlflow_run_id, key)[-1].value  # noqa: E731
+                row = {k: last(key) for k, key in KEYS.items()}
+                row.update({k: last(key) for k, key in PARTIAL.items()} if split > 1 else
+                           {"generated": row["batch_tokens"], "rounds": 1.0, "carried_groups": 0.0, "stale": 0.0})
+                rows[name].append(row)
+                print(f"iteration {it} {name:9s} rollout {row['rollout_s']:6.1f} s  generated tokens {row['generated']:6.0f}  "
+                      f"response length {row['response_length']:5.1f}  truncated {row['truncated']:.3f}  rounds "
+                      f"{row['rounds']:.0f}  carried groups {row['carried_groups']:.0f}  stale samples {row['stale']:.0f}",
+                      flush=True)
+    finally:
+        shutdown()
+    r = raw.get("rollout", {})
+    print(f"\n{args.config}: B={r.get('prompts_per_iteration')} x G={r.get('samples_per_prompt')}, max_new_tokens "
+          f"{args.max_new}, {args.iterations} iterations; means over iterations 2..{args.iterations} (1 starts the actors)")
+    later = {k: v[1:] or v for k, v in rows.items()}
+    fields = ("rollout_s", "generated", "response_length", "truncated", "rounds", "carried_groups", "stale")
+    mean = {k: {f: statistics.mean(x[f] for x in v) for f in fields} for k, v in later.items()}
+    print(f"{'side':9s} " + " ".join(f"{f:>15s}" for f in fields))
+    for name in sides:
+        print(f"{name:9s} " + " ".join(f"{mean[name][f]:15.2f}" for f in fields))
+    for name in list(sides)[1:]:
+        print(f"{name} / whole rollout seconds: {mean[name]['rollout_s'] / mean['whole']['rollout_s']:.2f}, "
+              f"generated tokens: {mean[name]['generated'] / max(mean['whole']['generated'], 1):.2f}")
+    print(f"run folder (delete when done): {work}")
+
+
+if __name__ == "__main__":
+    main()
