@@ -223,7 +223,7 @@ def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, mon
     """tasks/common.py fetch_cached: fetching policy v3 deletes the cached v1 (not v2, not the base
     model under models/, not another series); a deleted version is fetched again on demand."""
     from infra.store import ArtifactStore
-    from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
+    from tasks.common import fetch_cached
     from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
