@@ -219,20 +219,33 @@ def test_transient_errors_are_retried_with_backoff(tmp_path, monkeypatch):
     assert sleeps == [0.5, 1.0]
 
 
+def _run_store(tmp_path):
+    """(an ArtifactStore at tmp_path/store, the RunSpec of run r1 on it: no config, no tracking)."""
+    from infra.store import ArtifactStore
+    from tasks.types import RunSpec
+
+    root = str(tmp_path / "store")
+    return ArtifactStore(root), RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=root,
+                                        tracking_uri="", mlflow_run_id="")
+
+
+def _checkpoint_dir(tmp_path, files: dict[str, bytes]):
+    """tmp_path/src holding `files` (relative path -> bytes), to publish as a checkpoint."""
+    src = tmp_path / "src"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    return src
+
+
 def test_fetch_cache_keeps_the_two_newest_versions_of_a_run_series(tmp_path, monkeypatch):
     """tasks/common.py fetch_cached: fetching policy v3 deletes the cached v1 (not v2, not the base
     model under models/, not another series); a deleted version is fetched again on demand."""
-    from infra.store import ArtifactStore
     from tasks.common import fetch_cached
-    from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    store = ArtifactStore(str(tmp_path / "store"))
-    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
-                   tracking_uri="", mlflow_run_id="")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "w.bin").write_bytes(b"x" * 100)
+    store, spec = _run_store(tmp_path)
+    src = _checkpoint_dir(tmp_path, {"w.bin": b"x" * 100})
     keys = ["models/base/v0000", "runs/r1/critic/v0001"] + [f"runs/r1/policy/v{i:04d}" for i in (1, 2, 3)]
     for key in keys:
         store.publish(str(src), key, kind="checkpoint", producer="test")
@@ -252,17 +265,11 @@ def test_eviction_skips_a_version_another_process_is_fetching(tmp_path, monkeypa
     import subprocess
     import sys
 
-    from infra.store import ArtifactStore
     from tasks.common import _lock_path, evict_older_versions, fetch_cached
-    from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    store = ArtifactStore(str(tmp_path / "store"))
-    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
-                   tracking_uri="", mlflow_run_id="")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "w.bin").write_bytes(b"x" * 100)
+    store, spec = _run_store(tmp_path)
+    src = _checkpoint_dir(tmp_path, {"w.bin": b"x" * 100})
     for i in (1, 2, 3):
         store.publish(str(src), f"runs/r1/policy/v{i:04d}", kind="checkpoint", producer="test")
     v1 = fetch_cached(spec, "runs/r1/policy/v0001")
@@ -284,19 +291,12 @@ def test_weights_only_fetch_leaves_the_training_state_behind(tmp_path, monkeypat
     (SmolLM2's optimizer state is 1.1 of its 1.6 GB), the critic's values without trainer_state.pt;
     a fuller fetch of the same cached version adds only the missing files; eviction drops every
     kind of cached version."""
-    from infra.store import ArtifactStore
     from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
-    from tasks.types import RunSpec
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    store = ArtifactStore(str(tmp_path / "store"))
-    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
-                   tracking_uri="", mlflow_run_id="")
-    src = tmp_path / "src"
-    (src / "critic").mkdir(parents=True)
-    for rel, data in {"model.safetensors": b"w" * 64, "config.json": b"{}", "trainer_state.pt": b"o" * 128,
-                      "critic/model.safetensors": b"c" * 32}.items():
-        (src / rel).write_bytes(data)
+    store, spec = _run_store(tmp_path)
+    src = _checkpoint_dir(tmp_path, {"model.safetensors": b"w" * 64, "config.json": b"{}", "trainer_state.pt": b"o" * 128,
+                                     "critic/model.safetensors": b"c" * 32})
     for v in (1, 2, 3):
         store.publish(str(src), f"runs/r1/policy/v{v:04d}", kind="checkpoint", producer="test")
     files = lambda d: sorted(str(p.relative_to(d)) for p in Path(d).rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -346,17 +346,11 @@ def test_prune_drops_files_from_a_version_manifest_first(store, tmp_path):
 def test_weight_sync_keeps_the_trainer_state_of_the_newest_versions_only(tmp_path):
     """tasks/weight_sync.py prune_trainer_states after publishing iteration N with keep=2: version
     N-2 loses trainer_state.pt (weights and critic stay), N-1 and N keep it; a rerun is a no-op."""
-    from infra.store import ArtifactStore
-    from tasks.types import RunSpec
     from tasks.weight_sync import prune_trainer_states
 
-    store = ArtifactStore(str(tmp_path / "store"))
-    spec = RunSpec(config_json="{}", config_hash="h", run_id="r1", store_uri=str(tmp_path / "store"),
-                   tracking_uri="", mlflow_run_id="")
-    src = tmp_path / "src"
-    (src / "critic").mkdir(parents=True)
-    for rel in ("model.safetensors", "trainer_state.pt", "critic/model.safetensors"):
-        (src / rel).write_bytes(rel.encode())
+    store, spec = _run_store(tmp_path)
+    src = _checkpoint_dir(tmp_path, {rel: rel.encode() for rel in ("model.safetensors", "trainer_state.pt",
+                                                                    "critic/model.safetensors")})
     files = lambda v: set(store.manifest(f"runs/r1/policy/v{v:04d}").files)
     for it in (1, 2, 3, 4):
         store.publish(str(src), f"runs/r1/policy/v{it:04d}", kind="checkpoint", producer="test")
