@@ -53,7 +53,7 @@ def measure(threads: int, reps: int, keep: bool) -> dict:
     def old_logp():
         z = mb_logits.clone().requires_grad_()
         ls = torch.log_softmax(z, -1)
-        lp, h = ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
+        lp, _h = ls.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(ls.exp() * ls).sum(-1)
         lp.sum().backward()
 
     def new_logp():

@@ -25,10 +25,8 @@ a temporary directory (HOME, caches, store, MLflow). Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,19 +34,6 @@ sys.path.insert(0, str(REPO))
 
 KEYS = {"rollout_s": "timing/rollout_s", "tokens_per_kept_sample": "rollout/generated_tokens_per_kept_sample",
         "rounds": "dynamic_sampling/generation_rounds", "kept_groups": "dynamic_sampling/kept_groups"}
-
-
-def side_config(raw: dict, name: str, chunk: int, args, out: str) -> dict:
-    import copy
-
-    cfg = copy.deepcopy(raw)
-    cfg.setdefault("run", {}).update(name=f"dapo-bench-{name}", output_dir=out)
-    cfg.setdefault("loop", {})["iterations"] = max(args.iterations, 1)
-    if args.threads:
-        cfg["run"]["torch_threads"] = args.threads
-    cfg.setdefault("algorithm", {}).update(filter_groups=True, max_generation_rounds=args.rounds)
-    cfg.setdefault("rollout", {})["chunk_prompts"] = chunk
-    return cfg
 
 
 def main(argv=None) -> None:
@@ -62,39 +47,21 @@ def main(argv=None) -> None:
 
     import yaml
 
+    from benchmarks.rollout_sides import isolated_workdir, run_sides
+
     raw = yaml.safe_load(Path(args.config).read_text())
     b = raw.get("rollout", {}).get("prompts_per_iteration", 64)
-    work = tempfile.mkdtemp(prefix="flyroll-dapo-bench-")
-    os.environ.update(HOME=os.path.join(work, "home"), FLYROLL_CACHE_DIR=os.path.join(work, "cache"),
-                      RAY_USAGE_STATS_ENABLED="0")
-    os.makedirs(os.environ["HOME"], exist_ok=True)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-
-    import tasks.rollout
-    from infra import tracking
-    from infra.ray_session import shutdown
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
-
+    work = isolated_workdir("flyroll-dapo-bench-")
     sides = {"rounds": b, **{f"chunked-{c}": int(c) for c in args.chunk.split(",")}}
-    runs = {}
-    for name, chunk in sides.items():
-        path = os.path.join(work, f"{name}.yaml")
-        Path(path).write_text(yaml.safe_dump(side_config(raw, name, chunk, args, os.path.join(work, "runs"))))
-        spec, model_spec = prepare_run(config=path, restart=False)
-        runs[name] = (spec, build_base_policy(model_spec), make_dataset(spec=spec))
-    rows: dict[str, list[dict]] = {k: [] for k in sides}
-    try:
-        for it in range(1, args.iterations + 1):
-            for name in sides:
-                spec, policy, dataset = runs[name]
-                tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=it)
-                client = tracking.client(spec.tracking_uri)
-                row = {k: client.get_metric_history(spec.mlflow_run_id, key)[-1].value for k, key in KEYS.items()}
-                rows[name].append(row)
-                print(f"iteration {it} {name:10s} rollout {row['rollout_s']:6.1f} s  tokens/kept sample "
-                      f"{row['tokens_per_kept_sample']:6.2f}  rounds {row['rounds']:.2f}  kept {row['kept_groups']:.0f}", flush=True)
-    finally:
-        shutdown()
+    changes = {name: {"algorithm": {"filter_groups": True, "max_generation_rounds": args.rounds}, "rollout": {"chunk_prompts": chunk}}
+               for name, chunk in sides.items()}
+
+    def report(it: int, name: str, row: dict) -> None:
+        print(f"iteration {it} {name:10s} rollout {row['rollout_s']:6.1f} s  tokens/kept sample "
+              f"{row['tokens_per_kept_sample']:6.2f}  rounds {row['rounds']:.2f}  kept {row['kept_groups']:.0f}", flush=True)
+
+    rows = run_sides(raw, changes, work=work, prefix="dapo-bench", iterations=args.iterations, threads=args.threads,
+                     metrics=lambda name: KEYS, report=report)
     print(f"\n{args.config}: B={b}, max_generation_rounds {args.rounds}, {args.iterations} iterations (means)")
     print(f"{'side':10s} {'chunk':>5s} {'rollout s':>9s} {'tokens/kept sample':>18s} {'rounds':>6s} {'kept groups':>11s}")
     mean = {k: {f: statistics.mean(r[f] for r in v) for f in KEYS} for k, v in rows.items()}

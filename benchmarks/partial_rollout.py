@@ -31,11 +31,8 @@ Torch threads: the config's run.torch_threads unless `--threads`. Run folder: a 
 from __future__ import annotations
 
 import argparse
-import copy
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,17 +42,6 @@ KEYS = {"rollout_s": "timing/rollout_s", "response_length": "rollout/response_le
         "truncated": "rollout/truncated_frac", "batch_tokens": "rollout/tokens"}
 PARTIAL = {"generated": "rollout/partial_generated_tokens", "rounds": "rollout/partial_rounds",
            "carried_groups": "rollout/partial_carried_groups", "stale": "rollout/partial_stale_samples"}
-
-
-def side_config(raw: dict, name: str, split: int, args, out: str) -> dict:
-    cfg = copy.deepcopy(raw)
-    cfg.setdefault("run", {}).update(name=f"partial-bench-{name}", output_dir=out)
-    cfg.setdefault("loop", {})["iterations"] = max(args.iterations, 1)
-    if args.threads:
-        cfg["run"]["torch_threads"] = args.threads
-    cfg.setdefault("algorithm", {})["tis_cap"] = 2.0
-    cfg.setdefault("rollout", {}).update(max_new_tokens=args.max_new, partial_rollout_max_split=split)
-    return cfg
 
 
 def main(argv=None) -> None:
@@ -69,43 +55,24 @@ def main(argv=None) -> None:
 
     import yaml
 
+    from benchmarks.rollout_sides import isolated_workdir, run_sides
+
     raw = yaml.safe_load(Path(args.config).read_text())
-    work = tempfile.mkdtemp(prefix="flyroll-partial-bench-")
-    os.environ.update(HOME=os.path.join(work, "home"), FLYROLL_CACHE_DIR=os.path.join(work, "cache"),
-                      RAY_USAGE_STATS_ENABLED="0")
-    os.makedirs(os.environ["HOME"], exist_ok=True)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-
-    import tasks.rollout
-    from infra import tracking
-    from infra.ray_session import shutdown
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
-
+    work = isolated_workdir("flyroll-partial-bench-")
     sides = {"whole": 1, **{f"split-{n}": int(n) for n in args.split.split(",")}}
-    runs = {}
-    for name, split in sides.items():
-        path = os.path.join(work, f"{name}.yaml")
-        Path(path).write_text(yaml.safe_dump(side_config(raw, name, split, args, os.path.join(work, "runs"))))
-        spec, model_spec = prepare_run(config=path, restart=False)
-        runs[name] = (spec, build_base_policy(model_spec), make_dataset(spec=spec))
-    rows: dict[str, list[dict]] = {k: [] for k in sides}
-    try:
-        for it in range(1, args.iterations + 1):
-            for name, split in sides.items():
-                spec, policy, dataset = runs[name]
-                tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=it)
-                client = tracking.client(spec.tracking_uri)
-                last = lambda key: client.get_metric_history(spec.mlflow_run_id, key)[-1].value  # noqa: E731
-                row = {k: last(key) for k, key in KEYS.items()}
-                row.update({k: last(key) for k, key in PARTIAL.items()} if split > 1 else
-                           {"generated": row["batch_tokens"], "rounds": 1.0, "carried_groups": 0.0, "stale": 0.0})
-                rows[name].append(row)
-                print(f"iteration {it} {name:9s} rollout {row['rollout_s']:6.1f} s  generated tokens {row['generated']:6.0f}  "
-                      f"response length {row['response_length']:5.1f}  truncated {row['truncated']:.3f}  rounds "
-                      f"{row['rounds']:.0f}  carried groups {row['carried_groups']:.0f}  stale samples {row['stale']:.0f}",
-                      flush=True)
-    finally:
-        shutdown()
+    changes = {name: {"algorithm": {"tis_cap": 2.0}, "rollout": {"max_new_tokens": args.max_new, "partial_rollout_max_split": split}}
+               for name, split in sides.items()}
+
+    def report(it: int, name: str, row: dict) -> None:
+        if sides[name] == 1:  # whole-sample generation: every token of the batch was generated this iteration
+            row.update(generated=row["batch_tokens"], rounds=1.0, carried_groups=0.0, stale=0.0)
+        print(f"iteration {it} {name:9s} rollout {row['rollout_s']:6.1f} s  generated tokens {row['generated']:6.0f}  "
+              f"response length {row['response_length']:5.1f}  truncated {row['truncated']:.3f}  rounds "
+              f"{row['rounds']:.0f}  carried groups {row['carried_groups']:.0f}  stale samples {row['stale']:.0f}",
+              flush=True)
+
+    rows = run_sides(raw, changes, work=work, prefix="partial-bench", iterations=args.iterations, threads=args.threads,
+                     metrics=lambda name: KEYS if sides[name] == 1 else {**KEYS, **PARTIAL}, report=report)
     r = raw.get("rollout", {})
     print(f"\n{args.config}: B={r.get('prompts_per_iteration')} x G={r.get('samples_per_prompt')}, max_new_tokens "
           f"{args.max_new}, {args.iterations} iterations; means over iterations 2..{args.iterations} (1 starts the actors)")

@@ -10,15 +10,17 @@ import tempfile
 import time
 import typing
 
-import flytekit
 from flytekit import Cache, task
 
-from configs.schema import FlyrollConfig, load_config
+from configs.schema import load_config
 from infra import tracking
 from infra.resources import task_resources
 from infra.store import ArtifactStore
 from tasks.common import config_of, console, execution_id, store_of
 from tasks.types import DatasetRef, PolicyRef, RunSpec
+
+if typing.TYPE_CHECKING:
+    import pandas as pd
 
 # environment seeds: bootstrap demonstrations, the fixed eval set and training never overlap
 BOOTSTRAP_SEED0, EVAL_SEED0, TRAIN_SEED0 = 20_000_000, 10_000_000, 0

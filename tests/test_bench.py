@@ -275,3 +275,19 @@ def test_box_probe_failure_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
     (tmp_path / "box_probe.py").write_text("import json\nprint(json.dumps({'gemm_gflops': 1.0}))\n")  # no line for people
     assert bench.box_probe(2, "end") == {"gemm_gflops": 1.0}
     assert "box (end): (the probe printed no summary line)" in capsys.readouterr().out
+
+
+def test_rollout_side_config_merges_sections_without_touching_the_preset():
+    """benchmarks/rollout_sides.py: a side is the preset with its sections' fields replaced; the
+    preset's other fields and the parsed preset itself stay as they were."""
+    from benchmarks.rollout_sides import side_config
+
+    raw = {"run": {"name": "x", "seed": 3}, "rollout": {"max_new_tokens": 16, "temperature": 1.0}}
+    cfg = side_config(raw, "split-8", {"rollout": {"max_new_tokens": 128, "partial_rollout_max_split": 8},
+                                       "algorithm": {"tis_cap": 2.0}},
+                      prefix="partial-bench", out="/tmp/o", iterations=3, threads=2)
+    assert cfg["run"] == {"name": "partial-bench-split-8", "seed": 3, "output_dir": "/tmp/o", "torch_threads": 2}
+    assert cfg["rollout"] == {"max_new_tokens": 128, "temperature": 1.0, "partial_rollout_max_split": 8}
+    assert cfg["algorithm"] == {"tis_cap": 2.0} and cfg["loop"] == {"iterations": 3}
+    assert raw == {"run": {"name": "x", "seed": 3}, "rollout": {"max_new_tokens": 16, "temperature": 1.0}}
+    assert "torch_threads" not in side_config(raw, "whole", {}, prefix="p", out="/o", iterations=0, threads=0)["run"]
