@@ -291,9 +291,30 @@ def detour_action(env, planned: str, rng) -> str | None:
     return rng.choice(options) if options else None
 
 
+def shortest_plan_moves(env, plan: list[str]) -> list[str]:
+    """Every one of ``WASTED_MOVES`` that starts a shortest plan as long as ``plan`` (ends the episode
+    in success with one move left, or reaches a state ``env.solve()`` finishes in len(plan) - 1), tried
+    on copies of ``env``, in ``WASTED_MOVES`` order; ``[plan[0]]`` for an environment whose actions
+    are not moves (ToolMath)."""
+    import copy
+
+    if plan[0] not in WASTED_MOVES:
+        return [plan[0]]
+    moves = []
+    for move in WASTED_MOVES:
+        trial = copy.deepcopy(env)
+        _, _, done, info = trial.step(move + "\n")
+        if not info.get("effective"):
+            continue
+        rest = None if done else trial.solve()
+        if (done and info.get("success") and len(plan) == 1) or (rest is not None and len(rest) == len(plan) - 1):
+            moves.append(move)
+    return moves or [plan[0]]
+
+
 def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None,
                     habit_rate: float = 0.0, habit_seed: int = 0, detour_rate: float = 0.0,
-                    segments: bool = False) -> list[tuple[str, str | list[tuple[str, bool]]]]:
+                    segments: bool = False, random_ties: bool = False) -> list[tuple[str, str | list[tuple[str, bool]]]]:
     """(prompt, response) demonstrations by the environment's scripted solver, laid out exactly as
     ``run_episodes`` lays out text (each action on its own line, then the environment's reply; no
     reply after the last action). Re-plans after every step (slippery FrozenLake); seeds the solver
@@ -312,7 +333,14 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
     where it lands. Shortest-path demonstrations only show states on shortest paths; a policy that
     strays once is then somewhere it never saw a demonstration (FrozenLake: beside a hole, needing
     an ``up`` or ``left`` that shortest paths never take). The detour's own step is a demonstration
-    of a mistake, so keep the rate well below the planned move's share."""
+    of a mistake, so keep the rate well below the planned move's share.
+
+    ``random_ties=True``: where several moves start a shortest plan (``shortest_plan_moves``) the
+    teacher picks one at random (same generator) instead of the solver's first. A breadth-first
+    solver breaks ties in a fixed move order, so on FrozenLake every demonstration goes down before
+    right wherever it can, and a policy copies that order (down, down, down, right, right, right on
+    every map) without reading the map; with random ties the only rule the demonstrations share is
+    the map's (do not step into a hole or the border)."""
     import random
 
     rng = random.Random(habit_seed)
@@ -330,7 +358,9 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
             wasted_here = move is not None          # at most one wasted turn in a row
             if move is None and detour_rate > 0 and rng.random() < detour_rate:
                 move = detour_action(env, plan[0], rng)
-            action = (move or plan[0]) + "\n"
+            if move is None:
+                move = rng.choice(shortest_plan_moves(env, plan)) if random_ties else plan[0]
+            action = move + "\n"
             observation, _, done, info = env.step(action)
             parts.append((action, True))
             if done or turn == max_turns - 1:

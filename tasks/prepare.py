@@ -238,7 +238,8 @@ def build_base_policy(model_spec: str) -> PolicyRef:
         pairs = solved_episodes(env["name"], [BOOTSTRAP_SEED0 + i for i in range(env["bootstrap_episodes"])],
                                 max_turns=env["max_turns"], env_kwargs=env["kwargs"],
                                 habit_rate=env.get("bootstrap_habit_rate", 0.0), habit_seed=spec["seed"],
-                                detour_rate=env.get("bootstrap_detour_rate", 0.0), segments=env.get("bootstrap_loss") == "actions")
+                                detour_rate=env.get("bootstrap_detour_rate", 0.0), segments=env.get("bootstrap_loss") == "actions",
+                                random_ties=env.get("bootstrap_random_ties", False))
         if not pairs:
             raise ValueError(f"env {env['name']!r}: the scripted solver finished none of {env['bootstrap_episodes']} bootstrap "
                              f"episodes within env.max_turns={env['max_turns']}; raise env.max_turns")

@@ -5,7 +5,6 @@ SmolLM2 FrozenLake preset runs end to end with the chat template. Numbers are re
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from tests.test_agentic_workflow import _history, _run
 from tests.test_workflow import REPO
@@ -33,9 +32,8 @@ def test_agentic_preset_validates_and_names_its_command(name):
 @pytest.mark.timeout(3600)
 def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
     """The acceptance run of the agentic pillar: configs/frozenlake.yaml as shipped, fewer iterations.
-    4 iterations at one torch thread on 2026-12-03: sampled held-out success 0.125 -> 0.305 (+23 of
-    128 episodes), sampled effective actions 0.598 -> 0.760. Greedy success does not rise
-    (0.297 -> 0.281; docs/agentic.md "Results" has the diagnosis), so it is only checked to be logged."""
+    Greedy held-out success (one episode per seed) must rise too: docs/agentic.md "Results" has the
+    measured run and why the bootstrap's random ties are what lets RL move it."""
     iterations = 4
     # 2 sampled episodes per held-out seed (the preset: 4): 128 per evaluation, against a rise of ~0.18
     c, run, _ = _run(tmp_path, "configs/frozenlake.yaml", loop={"iterations": iterations, "eval_every": iterations},
@@ -46,7 +44,8 @@ def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
     assert success[-1][1] > success[0][1], success
     assert effective[-1][1] > effective[0][1], effective
     assert _history(c, run, "env/success_rate") and _history(c, run, "eval/invalid_action_rate")
-    assert [s for s, _ in _history(c, run, "eval/greedy/success_rate")] == [0, iterations]   # greedy logged beside
+    greedy = _history(c, run, "eval/greedy/success_rate")
+    assert [s for s, _ in greedy] == [0, iterations] and greedy[-1][1] > greedy[0][1], greedy
 
 
 @pytest.mark.nightly  # ~6 min on 2 cores (SmolLM2 episodes at one thread); kept out of every CI run

@@ -181,6 +181,43 @@ def test_solved_episodes_detours_cover_states_off_the_shortest_paths():
             demos[seed] = states
         assert any(off_path(seed, pos) for seed, states in demos.items() for pos in states) == expect_off, rate
 
+def test_random_ties_pick_among_every_shortest_first_move():
+    """random_ties: each demonstration is still a shortest path, but where down and right both start one
+    the teacher does not always go down first (the breadth-first order), so demonstrations on
+    the same seeds differ and their first moves are split; ToolMath (no moves) is unchanged."""
+    from engines.env_manager import shortest_plan_moves
+
+    env = make_env("frozenlake")
+    env.reset(0)
+    plan = env.solve()
+    moves = shortest_plan_moves(env, plan)
+    assert plan[0] in moves and set(moves) <= {"down", "right"}
+    for move in moves:  # each one starts a plan as short as the solver's
+        trial = make_env("frozenlake")
+        trial.reset(0)
+        trial.step(move + "\n")
+        assert len(trial.solve()) == len(plan) - 1
+    seeds = list(range(60))
+    fixed = solved_episodes("frozenlake", seeds, max_turns=8)
+    tied = solved_episodes("frozenlake", seeds, max_turns=8, random_ties=True, habit_seed=3)
+    assert len(tied) == len(fixed) == 60  # no detours: every map solved within 8 turns (shortest paths are 6 moves)
+    for (prompt, response), (_, base) in zip(tied, fixed):
+        seed = next(s for s in seeds if make_env("frozenlake").reset(s) == prompt.removeprefix(make_env("frozenlake").instructions))
+        states, success = _demo_states(seed, response)
+        assert success and len(states) == len(_demo_states(seed, base)[0])
+    tie_firsts = []  # first moves of the tied demonstrations on maps where down and right both start a shortest plan
+    for seed, (_, base), (_, response) in zip(seeds, fixed, tied):
+        start = make_env("frozenlake")
+        start.reset(seed)
+        options = shortest_plan_moves(start, start.solve())
+        assert base.split("\n")[0] == options[0] and response.split("\n")[0] in options  # breadth-first: down first
+        if len(options) > 1:
+            tie_firsts.append(response.split("\n")[0])
+    assert len(tie_firsts) >= 20 and 0.25 <= tie_firsts.count("right") / len(tie_firsts) <= 0.75, tie_firsts
+    assert solved_episodes("tool_math", list(range(5)), max_turns=4, random_ties=True) == \
+        solved_episodes("tool_math", list(range(5)), max_turns=4)
+
+
 def test_truncation_by_context_length():
     tok = build_char_tokenizer()
     sampling = SamplingParams(max_new_tokens=8)
