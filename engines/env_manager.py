@@ -260,15 +260,22 @@ def episode_metrics(episodes: list[Episode], prefix: str = "env") -> dict[str, f
 WASTED_MOVES = ("left", "down", "right", "up")   # candidates for the imperfect teacher's habit
 
 
-def wasted_action(env) -> str | None:
-    """The first of ``WASTED_MOVES`` that is valid but leaves the state unchanged (and does not end
-    the episode), tried on a copy of ``env``; None if there is none (e.g. ToolMath)."""
+def _tried_moves(env):
+    """For each of ``WASTED_MOVES`` in order, lazily: (move, a copy of ``env`` after it, done, info).
+    ``env`` itself is not touched."""
     import copy
 
     for move in WASTED_MOVES:
         trial = copy.deepcopy(env)
-        key = trial.state_key()
         _, _, done, info = trial.step(move + "\n")
+        yield move, trial, done, info
+
+
+def wasted_action(env) -> str | None:
+    """The first of ``WASTED_MOVES`` that is valid but leaves the state unchanged (and does not end
+    the episode), tried on a copy of ``env``; None if there is none (e.g. ToolMath)."""
+    key = env.state_key()
+    for move, trial, done, info in _tried_moves(env):
         if info.get("valid_action") and not info.get("effective") and not done and trial.state_key() == key:
             return move
     return None
@@ -278,16 +285,8 @@ def detour_action(env, planned: str, rng) -> str | None:
     """A random one of ``WASTED_MOVES`` other than ``planned`` that is valid and effective, does not
     end the episode and leaves the goal reachable (``env.solve()`` finds a plan), tried on copies of
     ``env``; None if there is none."""
-    import copy
-
-    options = []
-    for move in WASTED_MOVES:
-        if move == planned:
-            continue
-        trial = copy.deepcopy(env)
-        _, _, done, info = trial.step(move + "\n")
-        if info.get("valid_action") and info.get("effective") and not done and trial.solve():
-            options.append(move)
+    options = [move for move, trial, done, info in _tried_moves(env)
+               if move != planned and info.get("valid_action") and info.get("effective") and not done and trial.solve()]
     return rng.choice(options) if options else None
 
 
@@ -296,14 +295,10 @@ def shortest_plan_moves(env, plan: list[str]) -> list[str]:
     in success with one move left, or reaches a state ``env.solve()`` finishes in len(plan) - 1), tried
     on copies of ``env``, in ``WASTED_MOVES`` order; ``[plan[0]]`` for an environment whose actions
     are not moves (ToolMath)."""
-    import copy
-
     if plan[0] not in WASTED_MOVES:
         return [plan[0]]
     moves = []
-    for move in WASTED_MOVES:
-        trial = copy.deepcopy(env)
-        _, _, done, info = trial.step(move + "\n")
+    for move, trial, done, info in _tried_moves(env):
         if not info.get("effective"):
             continue
         rest = None if done else trial.solve()
