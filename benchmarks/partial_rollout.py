@@ -13,7 +13,8 @@ into the next iteration and continued there.
 Every side runs the real rollout task (tasks/rollout.py `rollout`: the Ray generation actors, and
 for N > 1 tasks/partial_rollout.py with its carry published in the run's store) in this process on
 one local Ray instance, on `--config` with `rollout.max_new_tokens` = `--max-new` and
-`algorithm.tis_cap` 2.0 (partial rollout requires it), from the config's starting policy, for
+`algorithm.tis_cap` 2.0 (partial rollout requires it) and `algorithm.filter_groups` off (partial
+rollout refuses dynamic sampling; the SmolLM2 preset has it on), from the config's starting policy, for
 iterations 1..`--iterations`. The policy is not trained between iterations, so this measures the
 generation side only: carried samples are continued by the same weights (in a training run they are
 off-policy, corrected by tis_cap; `rollout/partial_stale_samples` counts them). Sides:
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
     raw = yaml.safe_load(Path(args.config).read_text())
     work = isolated_workdir("flyroll-partial-bench-")
     sides = {"whole": 1, **{f"split-{n}": int(n) for n in args.split.split(",")}}
-    changes = {name: {"algorithm": {"tis_cap": 2.0}, "rollout": {"max_new_tokens": args.max_new, "partial_rollout_max_split": split}}
+    changes = {name: {"algorithm": {"tis_cap": 2.0, "filter_groups": False}, "rollout": {"max_new_tokens": args.max_new, "partial_rollout_max_split": split}}
                for name, split in sides.items()}
 
     def report(it: int, name: str, row: dict) -> None:

@@ -34,7 +34,9 @@ linearly interpolated) with the ratio TRL / flyroll, and the box probe before an
 Caveats: the two runs are not alternated, so box drift between them lands on one side (the probes
 show how much); flyroll's budget includes what the workflow does besides training (Flyte, Ray start,
 the base model's copy into its store, checkpoint publishing, its one-prompt evaluation); TRL's loss
-is its default (`loss_type`), not flyroll's `algorithm` choices (clip ranges, normalisation);
+is its default (`loss_type`), not flyroll's `algorithm` choices (clip ranges, normalisation, and
+dynamic sampling: with `algorithm.filter_groups` flyroll refills its batch with groups whose rewards
+differ, TRL trains on the batch it drew);
 TRL's gradient checkpointing is set to training.gradient_checkpointing (TRL's own default is on);
 TRL stops at stop strings only where they lie inside one token (benchmarks/trl_grpo_learn.py);
 the TRL side scores only rows that flyroll routes to the reasoning_gym or an exact-match reward
