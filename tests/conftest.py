@@ -43,7 +43,7 @@ def e2e_run(tmp_path_factory):
     """(folder, config path, completed process): one `pyflyte run` of tests/configs/e2e.yaml (shared
     local Ray), read by tests/test_workflow.py and tests/test_lineage.py (one xdist group, so one run).
     Read it, do not change it: the only rerun (test_rerun_resumes_and_redoes_nothing) adds nothing."""
-    from tests.test_workflow import _config, _pyflyte_run
+    from tests.support.workflow import _config, _pyflyte_run
 
     tmp = tmp_path_factory.mktemp("e2e")
     config = _config(tmp)

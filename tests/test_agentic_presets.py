@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_agentic_workflow import _history, _run
-from tests.test_workflow import REPO
+from tests.support.agentic import _history, _run
+from tests.support.workflow import REPO
 
 ENVS = ("frozenlake", "sokoban", "tool_math")
 PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")]

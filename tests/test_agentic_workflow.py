@@ -3,34 +3,9 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-import yaml
 
-from tests.test_workflow import PYFLYTE, REPO, _env
-
-
-def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
-    cfg = yaml.safe_load((REPO / preset).read_text())
-    cfg["run"]["output_dir"] = str(tmp_path / "runs")
-    for section, values in overrides.items():
-        cfg.setdefault(section, {}).update(values)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/agentic.py"), "agentic", "--config", str(path)],
-                          cwd=tmp_path, env={**_env(tmp_path), "FLYROLL_RAY": ray_mode}, capture_output=True, text=True,
-                          timeout=3000)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    (run,) = [r for r in c.search_runs([c.get_experiment_by_name("flyroll").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
-    return c, run, cfg
-
-
-def _history(c, run, key):
-    return sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, key))
+from tests.support.agentic import _history, _run
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.batching import collate, response_logprobs, token_logprobs_and_entropy
-from tests.test_engines import PROMPTS, encode
+from tests.support.engines import PROMPTS, encode
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.test_workflow import _config, _pyflyte_run
+from tests.support.workflow import _config, _pyflyte_run
 
 
 def _batch(tok, n: int = 8):

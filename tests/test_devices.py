@@ -117,7 +117,7 @@ def _sgd(engine, model):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bf16_actor_update_matches_float32_within_tolerance(tiny_policy, seed):
     from engines.training import TorchTrainEngine
-    from tests.test_training_engine import rl_batch
+    from tests.support.engines import rl_batch
 
     base, tok = tiny_policy
     batch, adv, old, ref = rl_batch(tok, base, seed=seed)
@@ -138,7 +138,7 @@ def test_bf16_actor_update_matches_float32_within_tolerance(tiny_policy, seed):
 
 def test_bf16_training_keeps_float32_adamw_state(tiny_policy):
     from engines.training import TorchTrainEngine
-    from tests.test_training_engine import rl_batch
+    from tests.support.engines import rl_batch
 
     model = copy.deepcopy(tiny_policy[0])
     batch, adv, old, ref = rl_batch(tiny_policy[1], model)
@@ -171,7 +171,7 @@ def test_train_worker_in_bf16_trains_float32_weights_close_to_float32(tiny_polic
     from safetensors.torch import load as load_safetensors
 
     from tasks.workers import TrainWorker
-    from tests.test_strategies import _scored_table
+    from tests.support.training import _scored_table
 
     cfg, spec, key, _ = published
     table = _scored_table(*tiny_policy)
@@ -195,7 +195,7 @@ def test_reference_worker_in_bf16_gives_float32_logprobs(tiny_policy, published)
     (measured: 1.6e-3 at most on this batch)."""
     from engines.batching import batched_logprobs, collate
     from tasks.workers import ReferenceWorker
-    from tests.test_strategies import _scored_table
+    from tests.support.training import _scored_table
 
     _, spec, key, _ = published
     table = _scored_table(*tiny_policy)

@@ -18,19 +18,11 @@ from engines.generation import (Completion, HFGenerationEngine, InverseCDFSample
 from engines.modeling import CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, load_policy, save_policy
 from engines.pretrain import supervised_finetune
 from engines.synthetic import make_problems
+from tests.support.engines import PROMPTS, encode
 
 torch.set_num_threads(1)
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=128)  # as the `tiny_policy` fixture
-PROMPTS = ["1+2=", "rev abc=", "9-3+4-1="]
-
-
-def encode(tok, texts):
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 # ================================================================================================

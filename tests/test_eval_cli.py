@@ -149,7 +149,7 @@ def test_usage_errors(capsys):
 
 # --- reward routing: eval scores each row with the reward training gives it ---------------------
 
-GRADED = "tests.test_eval_routing:graded"  # 1.0 when the response starts with a digit, else 0.5: never 0
+GRADED = "tests.support.rewards:graded"  # 1.0 when the response starts with a digit, else 0.5: never 0
 
 
 def test_eval_routes_by_metadata_reward_fn(tiny_model_dir, tmp_path, capsys):

@@ -12,12 +12,7 @@ import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GRADED = "tests.test_eval_routing:graded"
-
-
-def graded(response: str, sample: dict) -> float:
-    """A user reward with partial credit: 1.0 when the response starts with a digit, else 0.5."""
-    return 1.0 if response[:1].isdigit() else 0.5
+GRADED = "tests.support.rewards:graded"  # 1.0 when the response starts with a digit, else 0.5
 
 
 class ScriptedEngine:

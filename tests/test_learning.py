@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.test_workflow import PYFLYTE, REPO, _env
+from tests.support.workflow import PYFLYTE, REPO, _env
 
 SHORT_ITERATIONS = 8   # the preset's first 8 iterations (of 32)
 MIN_GAIN = 0.05       # held-out accuracy points over the base model (10 of 192 prompts)

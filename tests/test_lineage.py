@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_workflow import _env
+from tests.support.workflow import _env
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,7 @@ from engines.batching import response_logprobs
 from engines.lora import DEFAULT_TARGETS, plain_model
 from engines.modeling import load_policy, save_policy
 from engines.training import TorchTrainEngine
-from tests.test_engines import params_of
-from tests.test_training_engine import rl_batch
+from tests.support.engines import params_of, rl_batch
 
 torch.set_num_threads(1)
 
@@ -177,7 +176,7 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     from infra.store import ArtifactStore
     from tasks.types import RunSpec
     from tasks.workers import TrainWorker
-    from tests.test_strategies import _scored_table
+    from tests.support.training import _scored_table
 
     model, tok = tiny_policy
     store = ArtifactStore(str(tmp_path / "store"))

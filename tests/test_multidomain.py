@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.test_workflow import PYFLYTE, REPO, _env
+from tests.support.workflow import PYFLYTE, REPO, _env
 
 
 def _run(tmp_path, cfg: dict, timeout: int):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_workflow import _config, _pyflyte_run
+from tests.support.workflow import _config, _pyflyte_run
 
 STATE = "trainer_state.pt"
 

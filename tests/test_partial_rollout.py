@@ -183,7 +183,7 @@ def test_one_split_through_the_real_actors_is_todays_rollout_table(tmp_path, mon
     from infra.ray_session import shutdown
     from tasks.fused import _between_tasks
     from tasks.partial_rollout import partial_batch, read_carry
-    from tests.test_refill import _parity_rollout_run
+    from tests.support.rollout import _parity_rollout_run
 
     spec, policy, dataset = _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, "plain", {})
     try:
@@ -210,7 +210,7 @@ def test_pyflyte_run_carries_unfinished_samples_across_iterations(tmp_path):
 
     from infra.store import ArtifactStore
     from tasks.rollout import stream_prompts
-    from tests.test_workflow import _config, _mlflow, _pyflyte_run
+    from tests.support.workflow import _config, _mlflow, _pyflyte_run
 
     config = _config(tmp_path, rollout={"partial_rollout_max_split": 3}, algorithm={"tis_cap": 2.0},
                      loop={"iterations": 3, "eval_every": 3})

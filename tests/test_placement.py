@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from configs.schema import load_config
-from tests.test_workflow import PYFLYTE, REPO, _env
+from tests.support.workflow import PYFLYTE, REPO, _env
 
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
 STAGES = ("rollout", "scoring", "reference", "training", "evaluation", "fused")

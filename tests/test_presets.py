@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.test_workflow import PYFLYTE, REPO, _env
+from tests.support.workflow import PYFLYTE, REPO, _env
 
 PRESETS = ("grpo", "dr_grpo", "reinforce_pp", "rloo", "dapo", "gspo", "ppo")
 ITERATIONS = 10

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import TINY
-from tests.test_workflow import REPO
+from tests.support.workflow import REPO
 
 
 @pytest.fixture(scope="module")

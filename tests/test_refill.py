@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from configs.schema import parse_config
+from tests.support.rollout import _parity_rollout_run
 
 
 def _train() -> pd.DataFrame:
@@ -48,7 +49,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     from infra import tracking
     from infra.ray_session import shutdown
     from tasks.prepare import build_base_policy, make_dataset, prepare_run
-    from tests.test_workflow import REPO
+    from tests.support.workflow import REPO
 
     raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
     raw["run"]["output_dir"] = str(tmp_path / "runs")
@@ -81,28 +82,6 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     rounds = tracking.client(spec.tracking_uri).get_metric_history(spec.mlflow_run_id, "dynamic_sampling/generation_rounds")
     assert [m.value for m in rounds] == [2.0]  # the scheduler spent its budget: 2 x prompts_per_iteration prompts
     assert list(scored["reward"]) == list(batch["reward"]) == [1.0] * 4  # nothing informative: the unfiltered batch
-
-
-def _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, name: str, rollout: dict, algorithm: dict | None = None):
-    """(spec, base policy, dataset) of the e2e config on the tiny model with B=3 x G=2, 3 new tokens
-    and tests/test_scheduler.py `parity` as every domain's reward (it varies within groups), plus
-    `rollout` / `algorithm` settings; the run folder and cache under tmp_path."""
-    import yaml
-
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
-    from tests.test_workflow import REPO
-
-    raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
-    raw["run"]["output_dir"] = str(tmp_path / "runs")
-    raw["model"] = {"path": tiny_model_dir}
-    raw["rollout"].update(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=3, **rollout)
-    raw["reward"]["functions"] = {"arithmetic": "tests.test_scheduler:parity", "reverse": "tests.test_scheduler:parity"}
-    if algorithm is not None:
-        raw["algorithm"] = algorithm
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
-    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    spec, model_spec = prepare_run(config=str(tmp_path / f"{name}.yaml"), restart=False)
-    return spec, build_base_policy(model_spec), make_dataset(spec=spec)
 
 
 def test_the_rollout_scheduler_keeps_exactly_the_batch_through_ray(tmp_path, monkeypatch, tiny_model_dir):

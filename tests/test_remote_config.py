@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.test_workflow import REPO
+from tests.support.workflow import REPO
 
 REMOTE = {"FLYTE_INTERNAL_EXECUTION_ID": "f3a9c1d2", "FLYTE_INTERNAL_EXECUTION_PROJECT": "flyroll"}
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_workflow import PYFLYTE, REPO, _config, _env
+from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 pytestmark = pytest.mark.slow
 RAY_MODE = "per-task"

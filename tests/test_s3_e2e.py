@@ -25,7 +25,7 @@ import pytest
 from infra.services import SeaweedS3, pid_alive
 from infra.store import ArtifactNotFound, ArtifactStore, StoreUnavailable
 from tests.services import mlflow_server, s3_server  # noqa: F401  (session fixtures)
-from tests.test_workflow import PYFLYTE, REPO, _config, _env
+from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 FLYROLL = str(Path(sys.executable).with_name("flyroll"))
 

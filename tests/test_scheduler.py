@@ -15,15 +15,6 @@ from engines.scheduler import ABORTED, DROPPED, KEPT, FILTERS, RolloutScheduler,
 G = 2
 
 
-def parity(response: str, sample: dict) -> float:
-    """A real reward with variance across a random policy's samples; prompt "boom" raises, "hang" hangs."""
-    if sample["prompt"] == "boom":
-        raise ValueError("broken reward")
-    if sample["prompt"] == "hang":
-        time.sleep(3.0)
-    return float(sum(map(ord, response)) % 2)
-
-
 def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=1, reward_delay=0.0):
     from engines.rewards.models import ModelRewards
     from engines.rewards.routing import score_samples
@@ -48,7 +39,7 @@ def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=
     def score(rows, abort):
         time.sleep(reward_delay)
         items = [(r["domain"], r["response"], {"prompt": r["prompt"]}) for r in rows]
-        results, _ = score_samples(items, timeout_s, {"parity": "tests.test_scheduler:parity"}, None, iso, ModelRewards(iso))
+        results, _ = score_samples(items, timeout_s, {"parity": "tests.support.rewards:parity"}, None, iso, ModelRewards(iso))
         return results
 
     return ThreadedSide(generate, 1), ThreadedSide(score, reward_threads), seen

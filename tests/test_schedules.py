@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.test_workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
+from tests.support.workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
 
 
 def test_pyflyte_package_includes_the_retrain_launch_plan_with_its_cron_schedule(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from configs.schema import ConfigError, parse_config
+from tests.support.training import _scored_table
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -141,27 +142,6 @@ def ray_cluster(tmp_path_factory):
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "FLYROLL_CACHE_DIR": str(cache)}})
     yield
     ray.shutdown()
-
-
-def _scored_table(model, tok, groups: int = 5, per_group: int = 3):
-    """A scored rollout table (the columns training reads): fixed random tokens, rewards 0/1,
-    old log-probs = the policy's own, ref = old minus noise."""
-    import pandas as pd
-
-    from tests.strategy_ranks import synthetic_batch
-
-    n = groups * per_group
-    batch, _, old, ref = synthetic_batch(tok, model, rows=n, seed=1)
-    P = batch.prompt_width
-    rows = []
-    for i in range(n):
-        p = batch.input_ids[i, :P][batch.attention_mask[i, :P].bool()].tolist()
-        r = batch.responses[i][batch.response_mask[i].bool()].tolist()
-        rows.append({"prompt_id": i // per_group, "group_id": f"g{i // per_group}", "prompt_token_ids": p,
-                     "response_token_ids": r, "reward": float((i * 7) % 3 == 0), "finish_reason": "stop",
-                     "old_logprobs": old[i, : len(r)].tolist(), "ref_logprobs": ref[i, : len(r)].tolist(),
-                     "behaviour_logprobs": old[i, : len(r)].tolist(), "values": (0.1 * old[i, : len(r)]).tolist()})
-    return pd.DataFrame(rows)
 
 
 def _train_in_process(cfg, spec, key: str, table, iterations: int):
@@ -385,7 +365,7 @@ def test_pyflyte_run_trains_with_ddp_on_two_workers(tmp_path):
     from safetensors.torch import load_file
 
     from infra.store import ArtifactStore
-    from tests.test_workflow import _config, _mlflow, _pyflyte_run
+    from tests.support.workflow import _config, _mlflow, _pyflyte_run
 
     config = _config(tmp_path, training={"strategy": "ddp", "num_workers": 2})
     proc = _pyflyte_run(tmp_path, "--config", str(config))

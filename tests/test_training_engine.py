@@ -14,37 +14,15 @@ import torch
 from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
 from engines.algorithms.objective import actor_loss
-from engines.batching import batched_logprobs, collate, response_logprobs
-from engines.modeling import SPECIAL_TOKENS
-from engines.synthetic import make_problems
+from engines.batching import response_logprobs
 from engines.training import TorchTrainEngine, balance_split, split_by_tokens
-from tests.test_engines import encode, params_of
+from tests.support.engines import params_of, rl_batch
 
 torch.set_num_threads(1)
 
 # ================================================================================================
 # training
 # ================================================================================================
-
-def rl_batch(tok, model, seed: int = 0, long_row: int = 0):
-    """A rollout-like batch: synthetic prompts, random responses of varying length, some tokens
-    masked out of the loss, on-policy old log-probs, a reference, ±1 advantages."""
-    rng = random.Random(seed)
-    probs = make_problems("train", 8, seed=seed)
-    prompts = encode(tok, [p.prompt for p in probs])
-    vocab = list(range(len(SPECIAL_TOKENS), len(tok)))
-    responses = [[rng.choice(vocab) for _ in range(rng.randint(2, 9))] for _ in probs]
-    if long_row:
-        responses[0] = [rng.choice(vocab) for _ in range(long_row)]
-    masks = [[0 if rng.random() < 0.3 else 1 for _ in r] for r in responses]
-    masks[1] = [1] * len(masks[1])
-    batch = collate(prompts, responses, tok.pad_token_id, loss_masks=masks)
-    old = batched_logprobs(model, batch)
-    g = torch.Generator().manual_seed(seed)
-    ref = (old - 0.05 * torch.rand(old.shape, generator=g)) * batch.response_mask
-    adv = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(probs))])[:, None] * batch.response_mask
-    return batch, adv, old, ref
-
 
 def sgd_engine(model, lr: float = 0.5) -> TorchTrainEngine:
     """The training engine with its AdamW swapped for plain SGD, so parameter updates are linear in

@@ -383,7 +383,7 @@ def test_generation_worker_abort_stops_a_running_vllm_generate(policies, tmp_pat
 
     from engines.generation import SamplingParams
     from infra.store import ArtifactStore
-    from tests.test_generation_abort import abort_then_serve
+    from tests.support.generation import abort_then_serve
 
     root = str(tmp_path / "store")
     ArtifactStore(root).publish(policies[3], "runs/t/policies/v0000", kind="checkpoint", producer="test")
@@ -407,7 +407,7 @@ def test_workflow_runs_end_to_end_with_engine_vllm(tmp_path):
     and weight sync puts each published version into it in place (no second engine start)."""
     import yaml
 
-    from tests.test_workflow import _mlflow, _pyflyte_run
+    from tests.support.workflow import _mlflow, _pyflyte_run
 
     cfg = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
     cfg["run"].update(name="e2e_vllm", output_dir=str(tmp_path / "runs"))

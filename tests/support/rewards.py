@@ -1,0 +1,21 @@
+"""User reward functions that test configs name by path (`reward.functions`, `metadata.reward_fn`):
+`tests.support.rewards:parity` (tests/test_scheduler.py, tests/test_refill.py, tests/test_partial_rollout.py),
+`tests.support.rewards:graded` (tests/test_eval_routing.py, tests/test_eval_cli.py)."""
+
+from __future__ import annotations
+
+import time
+
+
+def parity(response: str, sample: dict) -> float:
+    """A real reward with variance across a random policy's samples; prompt "boom" raises, "hang" hangs."""
+    if sample["prompt"] == "boom":
+        raise ValueError("broken reward")
+    if sample["prompt"] == "hang":
+        time.sleep(3.0)
+    return float(sum(map(ord, response)) % 2)
+
+
+def graded(response: str, sample: dict) -> float:
+    """A user reward with partial credit: 1.0 when the response starts with a digit, else 0.5."""
+    return 1.0 if response[:1].isdigit() else 0.5

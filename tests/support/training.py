@@ -1,0 +1,25 @@
+"""A scored rollout table, the columns the training path reads (tests/test_strategies.py,
+tests/test_lora.py, tests/test_devices.py)."""
+
+from __future__ import annotations
+
+
+def _scored_table(model, tok, groups: int = 5, per_group: int = 3):
+    """A scored rollout table (the columns training reads): fixed random tokens, rewards 0/1,
+    old log-probs = the policy's own, ref = old minus noise."""
+    import pandas as pd
+
+    from tests.strategy_ranks import synthetic_batch
+
+    n = groups * per_group
+    batch, _, old, ref = synthetic_batch(tok, model, rows=n, seed=1)
+    P = batch.prompt_width
+    rows = []
+    for i in range(n):
+        p = batch.input_ids[i, :P][batch.attention_mask[i, :P].bool()].tolist()
+        r = batch.responses[i][batch.response_mask[i].bool()].tolist()
+        rows.append({"prompt_id": i // per_group, "group_id": f"g{i // per_group}", "prompt_token_ids": p,
+                     "response_token_ids": r, "reward": float((i * 7) % 3 == 0), "finish_reason": "stop",
+                     "old_logprobs": old[i, : len(r)].tolist(), "ref_logprobs": ref[i, : len(r)].tolist(),
+                     "behaviour_logprobs": old[i, : len(r)].tolist(), "values": (0.1 * old[i, : len(r)]).tolist()})
+    return pd.DataFrame(rows)
