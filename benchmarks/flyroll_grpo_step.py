@@ -49,7 +49,7 @@ def build(spec: dict):
     import pandas as pd
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.evaluation import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.host_memory import keep_freed_memory

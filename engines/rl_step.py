@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from configs.algorithm import AlgorithmConfig
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.aggregate import masked_mean
 from engines.algorithms.normalize import RunningStats
 from engines.algorithms.objective import apply_kl_penalty, compute_advantages, make_kl_controller, shape_rewards

@@ -412,7 +412,7 @@ class TrainWorker:
                train_actor: bool = True) -> dict:
         """The update itself (critic, then actor unless `train_actor` is False: critic warmup) on a
         scored table, objective state included; returns its metrics. Writes nothing."""
-        from configs.algorithm import AlgorithmConfig
+        from engines.algorithms.config import AlgorithmConfig
         from engines.rl_step import prepare_update, table_tensors
         from tasks.types import TOKEN_FLOAT_COLUMNS
 

@@ -65,7 +65,7 @@ def test_gigpo_runs_on_agentic_rows(tiny_policy):
     import pandas as pd
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.env_manager import run_episodes
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.rl_step import prepare_update, table_to_batch

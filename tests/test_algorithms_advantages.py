@@ -83,7 +83,7 @@ def test_multi_turn_table_credits_the_first_turn():
     # policy tokens (mean 0.5, unbiased var 0.3): ±0.5 / 0.547723 = ±0.912871 on every policy token
     import pandas as pd
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import prepare_update, table_to_batch
 
     df = pd.DataFrame({"group_id": ["a", "b"], "prompt_token_ids": [[5, 6], [5, 7]],

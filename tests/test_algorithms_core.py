@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from configs.algorithm import AlgorithmConfig
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms import (
     ADVANTAGES,
     actor_loss,

@@ -163,7 +163,7 @@ def test_declaration_is_well_formed_and_documented():
 def test_update_tensors_come_from_one_conversion(rlvr, tiny_policy):
     """`table_tensors` converts every token-level column once; `prepare_update` given those tensors
     uses them (the table's own columns are not read again): same update with the columns dropped."""
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import prepare_update, table_tensors, table_to_batch, token_column
 
     _, tok = tiny_policy

@@ -70,7 +70,7 @@ def _critic_engine(tiny_model_dir, lr=1e-2):
 def test_critic_update_lowers_the_value_loss_on_a_fixed_batch(tiny_policy, tiny_model_dir):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.critic_model import batched_values
 
     _, tok = tiny_policy
@@ -91,7 +91,7 @@ def test_critic_update_lowers_the_value_loss_on_a_fixed_batch(tiny_policy, tiny_
 def test_critic_update_does_not_depend_on_the_micro_batch_size(tiny_policy, tiny_model_dir):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
 
     _, tok = tiny_policy
     cfg = AlgorithmConfig(advantage="gae", cliprange_value=0.2)
@@ -123,7 +123,7 @@ def _table(tok, rewards):
 def test_objective_state_carries_across_iterations_and_survives_a_checkpoint(tiny_policy, tmp_path):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import AlgorithmState, prepare_update
 
     _, tok = tiny_policy
@@ -147,7 +147,7 @@ def test_objective_state_carries_across_iterations_and_survives_a_checkpoint(tin
 def test_gae_update_inputs_use_the_values_column(tiny_policy):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import prepare_update
 
     _, tok = tiny_policy
@@ -202,7 +202,7 @@ def test_actor_step_takes_the_controller_beta_and_the_rollout_logprobs(tiny_poli
     """The trainer passes the KL controller's β and, with tis_cap, the behaviour log-probs."""
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.batching import batched_logprobs
     from engines.training import TorchTrainEngine
 

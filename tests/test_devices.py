@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from configs.algorithm import AlgorithmConfig
+from engines.algorithms.config import AlgorithmConfig
 from configs.schema import ConfigError, parse_config
 
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from configs.algorithm import AlgorithmConfig
+from engines.algorithms.config import AlgorithmConfig
 from configs.schema import FlyrollConfig
 from engines.batching import response_logprobs
 from engines.lora import DEFAULT_TARGETS, plain_model

@@ -50,7 +50,7 @@ def test_single_process_strategy_is_the_plain_engine(tiny_policy):
     """strategy=None and strategy='torch' give bit-identical updates (the default path is unchanged)."""
     import copy
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.strategies import make_strategy
     from engines.training import TorchTrainEngine
     from tests.strategy_ranks import synthetic_batch

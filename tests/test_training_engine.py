@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from configs.algorithm import AlgorithmConfig
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
 from engines.algorithms.objective import actor_loss
 from engines.batching import batched_logprobs, collate, response_logprobs
