@@ -50,7 +50,7 @@ def build(spec: dict):
     import torch
 
     from engines.algorithms.config import AlgorithmConfig
-    from engines.evaluation import encode_prompts
+    from engines.modeling import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.host_memory import keep_freed_memory
     from engines.modeling import load_policy, save_policy

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from engines.evaluation import encode_prompts
+    from engines.modeling import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.modeling import gguf_file, import_gguf, load_policy
     from engines.sources import reasoning_gym_reward, reasoning_gym_source

@@ -120,7 +120,7 @@ class GenerationWorker:
             self.engine.sleep()
 
     def encode(self, prompts: list[str], chat: bool) -> list[list[int]]:
-        from engines.evaluation import encode_prompts
+        from engines.modeling import encode_prompts
 
         return encode_prompts(self.tokenizer, prompts, chat)
 

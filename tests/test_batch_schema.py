@@ -40,7 +40,7 @@ def _recomputed_logprobs(model, tok, df: pd.DataFrame) -> list[list[float]]:
 def rlvr(tiny_policy) -> dict[str, pd.DataFrame]:
     """The RLVR table after each stage, built by the stages' own functions on the tiny policy."""
     from engines.datasets import encode_nested
-    from engines.evaluation import encode_prompts
+    from engines.modeling import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from tasks.reference import with_logprobs
     from tasks.rollout import completion_rows
