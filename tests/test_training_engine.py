@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.objective import actor_loss
 from engines.batching import batched_logprobs, collate, response_logprobs
 from engines.modeling import SPECIAL_TOKENS
