@@ -49,12 +49,12 @@ def build(spec: dict):
     import pandas as pd
     import torch
 
-    from configs.algorithm import AlgorithmConfig
-    from engines.evaluation import encode_prompts
+    from engines.algorithms.config import AlgorithmConfig
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.host_memory import keep_freed_memory
-    from engines.modeling import load_policy, save_policy
-    from engines.rl_step import prepare_update, table_to_batch
+    from engines.modeling import encode_prompts, load_policy, save_policy
+    from engines.rl_step import prepare_update
+    from engines.rollout_batch import RolloutBatch
     from engines.training import TorchTrainEngine
 
     torch.set_num_threads(spec["threads"])
@@ -90,11 +90,11 @@ def build(spec: dict):
             "group_id": [c.prompt_index for c in out],
             "finish_reason": [c.finish_reason for c in out],
         })
-        batch = table_to_batch(df, tok.pad_token_id)
-        upd = prepare_update(df, batch, cfg)
+        batch = RolloutBatch.from_table(df, tok.pad_token_id)
+        upd = prepare_update(batch, cfg)
         assert cfg.old_logprobs_in_update(len(df), len(df))
         t2 = time.perf_counter()
-        m = trainer.train_step(batch, upd.advantages, None, None, cfg, mini_batch_size=len(df),
+        m = trainer.train_step(batch.tokens(), upd.advantages, None, None, cfg, mini_batch_size=len(df),
                                max_tokens_per_micro_batch=spec["micro_tokens"])
         t3 = time.perf_counter()
         if in_memory:

@@ -116,7 +116,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
     "off". Compiling is in place. `prompt_share`: the prompt's part of each sequence's tokens."""
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.batching import TokenBatch
     from engines.devices import mixed_precision
     from engines.training import TorchTrainEngine

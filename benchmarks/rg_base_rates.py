@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from engines.evaluation import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.modeling import gguf_file, import_gguf, load_policy
+    from engines.modeling import encode_prompts, gguf_file, import_gguf, load_policy
     from engines.sources import reasoning_gym_reward, reasoning_gym_source
 
     if a.model.startswith(("package:", "gguf:")):

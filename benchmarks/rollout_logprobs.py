@@ -31,9 +31,8 @@ def child(way: str, model_dir: str, chat: bool, max_new: int, repeats: int) -> d
     sys.path.insert(0, HERE)
     from worker_memory import rss_gb
 
-    from engines.evaluation import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams, StepLogprobs, sampling_processors
-    from engines.modeling import load_policy
+    from engines.modeling import encode_prompts, load_policy
     from infra.bench import problems_for
 
     torch.set_num_threads(2)

@@ -40,7 +40,7 @@ def main() -> None:
 
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.batching import batched_logprobs, collate, response_logprobs
     from engines.generation import HFGenerationEngine, SamplingParams
     from engines.modeling import build_tiny_policy, import_gguf, load_policy, packaged_gguf

@@ -21,17 +21,9 @@ import json
 import pandas as pd
 
 from engines.generation import GenerationEngine, SamplingParams
+from engines.modeling import encode_prompts
 
 CORRECT_AT = 1.0  # a row is correct when its reward reaches this (training's reward/accuracy)
-
-
-def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = False) -> list[list[int]]:
-    """Prompt texts -> token ids, optionally through the tokenizer's chat template."""
-    if apply_chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                 for p in prompts]  # render, then tokenize: the template already holds the special tokens
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def generate_responses(engine: GenerationEngine, tokenizer, table: pd.DataFrame, *, max_new_tokens: int,

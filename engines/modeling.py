@@ -86,6 +86,15 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = False) -> list[list[int]]:
+    """Prompt texts -> token ids, optionally through the tokenizer's chat template."""
+    if apply_chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]  # render, then tokenize: the template already holds the special tokens
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
 def save_policy(model, tokenizer, path: str, state_dict: dict | None = None) -> str:
     """Write safetensors shards + config + tokenizer to `path`; returns `path`. `state_dict`: the
     full weights when `model`'s own are sharded (engines/strategies.py `full_state_dict`)."""

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import agg_loss, global_counts, masked_mean
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.objective import actor_loss, critic_loss
 from engines.algorithms.policy_losses import ZERO_AT_ZERO_ADVANTAGE
 from engines.algorithms.registry import get_policy_loss

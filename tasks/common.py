@@ -12,9 +12,10 @@ import pandas as pd
 from rich.console import Console
 
 from configs.schema import FlyrollConfig
+from engines.rollout_batch import COLUMNS, STAGES, Column
 from infra import ray_cluster, tracking
 from infra.store import ArtifactStore
-from tasks.types import COLUMNS, STAGES, Column, RunSpec
+from tasks.types import RunSpec
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -173,7 +174,7 @@ def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
 
 
 def check_columns(df: pd.DataFrame, *stages: str, at: str = "at a stage boundary") -> None:
-    """Schema check of the rollout table at a task boundary, against tasks/types.py `COLUMNS`: every
+    """Schema check of the rollout table at a task boundary, against engines/rollout_batch.py `COLUMNS`: every
     column the given `stages` write is there (optional ones: checked when present) and of its declared
     dtype, and every token-level (`aligned`) column has one entry per `response_token_ids` token in
     every row. Raises ValueError naming the boundary `at` ("entering training"), the column, the

@@ -21,6 +21,7 @@ import pandas as pd
 import ray
 from flytekit import task
 
+from engines.rollout_batch import RolloutBatch
 from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, ray_job, role_devices, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
@@ -50,18 +51,18 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
                 len(batch), cfg.training.mini_batch_size):
             models.pop("policy")
         ray.get([worker.load.remote(role, spec, key) for role, key in models.items()])
-        prompts = [list(p) for p in batch["prompt_token_ids"]]
-        responses = [list(r) for r in batch["response_token_ids"]]
-        pad = int(ray.get(worker.pad_id.remote()))
-        mb = max(1, cfg.training.max_tokens_per_micro_batch // max(1, max(map(len, prompts)) + max(map(len, responses))))
-        computed = dict(zip(models, ray.get([worker.logprobs.remote(role, prompts, responses, pad, mb) for role in models])))
+        tensors = RolloutBatch.from_table(batch, int(ray.get(worker.pad_id.remote())))  # the one conversion
+        width = tensors.input_ids.shape[1] - tensors.responses.shape[1] + int(tensors.response_lengths.max())  # P + longest response
+        mb = max(1, cfg.training.max_tokens_per_micro_batch // max(1, width))
+        rows = ray.put(tensors)
+        computed = dict(zip(models, ray.get([worker.logprobs.remote(role, rows, mb) for role in models])))
         old_lp = computed.get("policy", [list(x) for x in batch["behaviour_logprobs"]])
         ref_lp = computed.get("reference", old_lp)
         metrics["reference/forwards"] = float(len(models))
         values = None
         if cfg.algorithm.advantage == "gae":
             ray.get(worker.load.remote("critic", spec, policy.key))
-            values = ray.get(worker.values.remote(prompts, responses, pad, mb))
+            values = ray.get(worker.values.remote(rows, mb))
             v = np.concatenate([np.asarray(x, dtype=np.float64) for x in values] or [np.zeros(0)])
             metrics["reference/values_mean"] = float(v.mean()) if v.size else 0.0
         df = with_logprobs(batch, ref_lp, old_lp, values)

@@ -22,6 +22,9 @@ from __future__ import annotations
 import os
 import tempfile
 
+from configs.schema import TrainingConfig
+from engines.algorithms.config import AlgorithmConfig
+
 DEFERRED = "trainer_state_deferred"  # manifest metadata of a version published without trainer_state.pt
 
 
@@ -79,8 +82,8 @@ def max_abs_diff(got: dict, published: dict) -> float:
     return worst
 
 
-def replay(worker, spec, key: str, base: str, chain: list[tuple[int, str, str]], training_cfg: dict,
-           algorithm_cfg: dict | None) -> str:
+def replay(worker, spec, key: str, base: str, chain: list[tuple[int, str, str]], training: TrainingConfig,
+           algorithm: AlgorithmConfig | None) -> str:
     """Rebuild deferred version `key` in TrainWorker `worker`: load `base`, run the update of each
     version in `chain` on its published rollout table, compare with `key`'s published weights.
     Returns what happened (TrainWorker.load's answer)."""
@@ -91,11 +94,11 @@ def replay(worker, spec, key: str, base: str, chain: list[tuple[int, str, str]],
     from tasks.common import config_of, fetch_cached, store_of
 
     cfg, store = config_of(spec), store_of(spec)
-    worker._load(spec, base, training_cfg, algorithm_cfg)
+    worker._load(spec, base, training, algorithm)
     for iteration, _version, table_key in chain:
         with tempfile.TemporaryDirectory() as d:  # hash-verified; not kept (fetch_cached keeps what it fetches)
             table = pd.read_parquet(os.path.join(store.fetch(table_key, d), "rollout.parquet"))
-        worker.update(table, algorithm_cfg, training_cfg, **update_args(cfg, iteration))
+        worker.update(table, algorithm, training, **update_args(cfg, iteration))
     state = worker.trainer_state()
     weights = worker.engine.checkpoint_state_dict() or plain_model(worker.engine.model).state_dict()
     model_dir = fetch_cached(spec, key)  # weights, tokenizer, critic (a deferred version has no trainer state)
@@ -109,7 +112,7 @@ def replay(worker, spec, key: str, base: str, chain: list[tuple[int, str, str]],
               f"ones (max abs difference {diff:.3g}; another torch thread count or device changes the float "
               "rounding): training goes on from the published weights with the replayed optimizer and objective "
               "state", flush=True)
-        worker._load(spec, key, training_cfg, algorithm_cfg, state=state)
+        worker._load(spec, key, training, algorithm, state=state)
         how += f", max abs weight difference {diff:.3g}: published weights kept"
     worker.key = key
     return how

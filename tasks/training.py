@@ -89,8 +89,7 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
     metrics: dict[str, float] = {}
     with stage(spec, "training", iteration, metrics):
         workers = train_workers(cfg, spec.run_id)
-        tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
-        loaded = ray.get([w.load.remote(spec, policy.key, tcfg, acfg) for w in workers])
+        loaded = ray.get([w.load.remote(spec, policy.key, cfg.training, cfg.algorithm) for w in workers])
         if loaded[0].startswith("replayed"):
             print(f"flyroll: training iteration {iteration}: {policy.key} {loaded[0]}", flush=True)
         kept = shared_local_ray() if actor_kept is None else actor_kept
@@ -100,7 +99,7 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
         out = scratch_checkpoint_dir(iteration)  # removed by publish_weights
         here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
         (step_metrics, files), *_ = ray.get(
-            [w.step.remote(table, acfg, tcfg, args["temperature"], args["seed"], policy_key(spec, iteration),
+            [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
                            args["train_actor"], here, with_state) for w in workers]
         )
         metrics.update(step_metrics)

@@ -13,6 +13,10 @@ import threading
 
 import ray
 
+from configs.schema import TrainingConfig
+from engines.algorithms.config import AlgorithmConfig
+from engines.rollout_batch import RolloutBatch
+
 
 def capped_threads(n: int) -> int:
     """`n`, capped by the env var FLYROLL_MAX_TORCH_THREADS when it is set."""
@@ -120,7 +124,7 @@ class GenerationWorker:
             self.engine.sleep()
 
     def encode(self, prompts: list[str], chat: bool) -> list[list[int]]:
-        from engines.evaluation import encode_prompts
+        from engines.modeling import encode_prompts
 
         return encode_prompts(self.tokenizer, prompts, chat)
 
@@ -234,24 +238,22 @@ class ReferenceWorker:
     def pad_id(self) -> int:
         return self.pad
 
-    def logprobs(self, which: str, prompt_ids: list, response_ids: list, pad_id: int, micro_batch: int) -> list[list[float]]:
-        from engines.batching import batched_logprobs, collate
+    def logprobs(self, which: str, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:
+        """Log-probs of model `which` on every response token of `batch` (a RolloutBatch), one list per row."""
+        from engines.batching import batched_logprobs
 
-        batch = collate(prompt_ids, response_ids, pad_id)
-        lp = batched_logprobs(self.models[which][1], batch, micro_batch=micro_batch)
-        return [lp[i, : len(r)].tolist() for i, r in enumerate(response_ids)]
+        lp = batched_logprobs(self.models[which][1], batch.tokens(loss_mask=False), micro_batch=micro_batch)
+        return [lp[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
-    def values(self, prompt_ids: list, response_ids: list, pad_id: int, micro_batch: int) -> list[list[float]]:
-        """Critic values V(s_t), one per response token."""
-        from engines.batching import collate
+    def values(self, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:
+        """Critic values V(s_t), one per response token of `batch` (a RolloutBatch)."""
         from engines.critic_model import batched_values
-
-        batch = collate(prompt_ids, response_ids, pad_id)
         from engines.devices import autocast_dtype, torch_dtype
 
         critic_dtype = torch_dtype((self.devices or {}).get("critic", ("cpu", "float32"))[1])  # on the reference device
-        v = batched_values(self.models["critic"][1], batch, micro_batch=micro_batch, autocast_dtype=autocast_dtype(critic_dtype))
-        return [v[i, : len(r)].tolist() for i, r in enumerate(response_ids)]
+        v = batched_values(self.models["critic"][1], batch.tokens(loss_mask=False), micro_batch=micro_batch,
+                           autocast_dtype=autocast_dtype(critic_dtype))
+        return [v[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
 
 @ray.remote
@@ -291,11 +293,12 @@ class TrainWorker:
         self.rank, self.world_size, self.address = rank, world_size, address
         return backend
 
-    def load(self, spec, key: str, training_cfg: dict, algorithm_cfg: dict | None = None) -> str:
+    def load(self, spec, key: str, training: TrainingConfig, algorithm: AlgorithmConfig | None = None) -> str:
         """Make `key` the policy this actor trains: "cached" when it holds it (it trained it, so it has
         its optimizer and objective state too), else loaded from the store with its trainer_state.pt.
         A version of this run published without one (checkpoint.optimizer_every) is rebuilt by
-        replaying the updates since the newest one that has it (tasks/replay.py)."""
+        replaying the updates since the newest one that has it (tasks/replay.py). `training`,
+        `algorithm`: the config's TrainingConfig and AlgorithmConfig sections."""
         if self.key == key:
             return "cached"
         from tasks.common import store_of
@@ -303,10 +306,11 @@ class TrainWorker:
 
         base, chain = deferred_chain(store_of(spec), spec.run_id, key)
         if chain:
-            return replay(self, spec, key, base, chain, training_cfg, algorithm_cfg)
-        return self._load(spec, key, training_cfg, algorithm_cfg)
+            return replay(self, spec, key, base, chain, training, algorithm)
+        return self._load(spec, key, training, algorithm)
 
-    def _load(self, spec, key: str, training_cfg: dict, algorithm_cfg: dict | None = None, state: dict | None = None) -> str:
+    def _load(self, spec, key: str, training: TrainingConfig, algorithm: AlgorithmConfig | None = None,
+              state: dict | None = None) -> str:
         """Build the engines from version `key`'s weights and its trainer_state.pt, or `state` when
         given (a replayed one: tasks/replay.py)."""
         import torch
@@ -322,19 +326,18 @@ class TrainWorker:
         path = os.path.join(model_dir, TRAINER_STATE)
         if state is None:
             state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
-        lora = training_cfg.get("lora") or {}
-        resume_lora = bool(lora.get("rank")) and "lora_adapter" in state and "lora_base" in state
+        lora = training.lora.model_dump()
+        resume_lora = bool(training.lora.rank) and "lora_adapter" in state and "lora_base" in state
         # LoRA: the adapters sit on the frozen base they started from (the merged checkpoint is for generation)
         self.lora_base = state["lora_base"] if resume_lora else key
         base_dir = fetch_cached(spec, self.lora_base, skip=TRAINING_ONLY) if resume_lora else model_dir
         self.model, self.tokenizer = load_policy(base_dir)  # float32: the master weights
         self.model.to(device)
-        strategy = training_cfg.get("strategy", "torch")
-        opt = dict(weight_decay=training_cfg["weight_decay"], grad_clip=training_cfg["grad_clip"],
-                   warmup_steps=training_cfg["warmup_steps"])
-        self.engine = TorchTrainEngine(self.model, lr=training_cfg["lr"], strategy=make_strategy(strategy),
-                                       compile=training_cfg.get("compile", False), compute_dtype=dtype, lora=lora,
-                                       gradient_checkpointing=training_cfg.get("gradient_checkpointing", False), **opt)
+        strategy = training.strategy
+        opt = dict(weight_decay=training.weight_decay, grad_clip=training.grad_clip, warmup_steps=training.warmup_steps)
+        self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy),
+                                       compile=training.compile, compute_dtype=dtype, lora=lora,
+                                       gradient_checkpointing=training.gradient_checkpointing, **opt)
         if not state and key.startswith("runs/"):  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions that "
                   "hold one keep it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
@@ -345,18 +348,18 @@ class TrainWorker:
             self.engine.load_state_dict(state)
         self.algo_state = AlgorithmState.from_dict(state.get("algorithm"))
         self.critic_engine = None
-        if (algorithm_cfg or {}).get("advantage") == "gae":
+        if algorithm is not None and algorithm.advantage == "gae":
             from engines.critic_model import critic_for_checkpoint
 
             critic_device, critic_dtype = _placed(self.devices, "critic")
-            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir).to(critic_device), lr=algorithm_cfg["critic_lr"],
+            self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir).to(critic_device), lr=algorithm.critic_lr,
                                                    strategy=make_strategy(strategy), compute_dtype=critic_dtype, **opt)
             if "critic" in state:
                 self.critic_engine.load_state_dict(state["critic"])
         self.key = key
         return "loaded"
 
-    def step(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int, next_key: str,
+    def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
              trainer_state: bool = True) -> tuple[dict, dict[str, bytes]]:
         """One update (`update`) on a scored table; returns (metrics, checkpoint files as bytes, the
@@ -377,7 +380,7 @@ class TrainWorker:
         from engines.modeling import save_policy
         from tasks.common import TRAINER_STATE
 
-        metrics = self.update(table, algorithm_cfg, training_cfg, temperature, seed, train_actor)
+        metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
         self.key = next_key  # what weight_sync will publish these weights as
         # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
         state = self.trainer_state() if trainer_state else None
@@ -408,32 +411,18 @@ class TrainWorker:
                         files[os.path.relpath(p, d)] = f.read()
         return metrics, files
 
-    def update(self, table, algorithm_cfg: dict, training_cfg: dict, temperature: float, seed: int,
+    def update(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int,
                train_actor: bool = True) -> dict:
-        """The update itself (critic, then actor unless `train_actor` is False: critic warmup) on a
-        scored table, objective state included; returns its metrics. Writes nothing."""
-        from configs.algorithm import AlgorithmConfig
-        from engines.rl_step import prepare_update, table_tensors
-        from tasks.types import TOKEN_FLOAT_COLUMNS
+        """The update itself (engines/rl_step.py `train_update`: critic, then actor unless `train_actor`
+        is False: critic warmup) on a scored table, objective state included; returns its metrics.
+        `algorithm`, `training`: the config's AlgorithmConfig and TrainingConfig. Writes nothing."""
+        from engines.rl_step import train_update
 
-        cfg = AlgorithmConfig.model_validate(algorithm_cfg)
-        tensors = table_tensors(table, self.tokenizer.pad_token_id, TOKEN_FLOAT_COLUMNS)  # the one conversion
-        batch, token = tensors.batch, tensors.token
-        update = prepare_update(table, batch, cfg, self.algo_state, token)
-        batch.response_mask = update.response_mask
-        metrics = dict(update.metrics)
-        sizes = dict(mini_batch_size=training_cfg["mini_batch_size"],
-                     max_tokens_per_micro_batch=training_cfg["max_tokens_per_micro_batch"], seed=seed)
-        if self.critic_engine is not None:
-            metrics.update(self.critic_engine.train_step(batch, update.returns, update.values, cfg, **sizes))
-        if train_actor:
-            in_update = cfg.old_logprobs_in_update(len(table), training_cfg["mini_batch_size"])
-            old = None if in_update else token["old_logprobs"]  # None: the update's own forward
-            ref = token["ref_logprobs"]
-            behaviour = token["behaviour_logprobs"] if cfg.tis_cap is not None or in_update else None
-            metrics.update(self.engine.train_step(batch, update.advantages, old, ref, cfg, temperature=temperature,
-                                                  rollout_logprobs=behaviour, kl_coef=update.kl_coef, **sizes))
-        self.algo_state = update.state
+        batch = RolloutBatch.from_table(table, self.tokenizer.pad_token_id)  # the one conversion
+        metrics, self.algo_state = train_update(
+            self.engine, self.critic_engine, batch, algorithm, self.algo_state, temperature=temperature,
+            mini_batch_size=training.mini_batch_size, max_tokens_per_micro_batch=training.max_tokens_per_micro_batch,
+            seed=seed, train_actor=train_actor)
         return metrics
 
     def trainer_state(self) -> dict:

@@ -42,7 +42,7 @@ def synthetic_batch(tok, model, rows: int = 8, seed: int = 0):
 def train_on_rank(rank: int, world: int, port: int, strategy: str, steps: int, opts: dict) -> dict | None:
     """`steps` updates on this rank; rank 0's results (None on the others)."""
     torch.set_num_threads(opts.get("threads", 1))
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.modeling import build_tiny_policy
     from engines.strategies import init_distributed, make_strategy
     from engines.training import TorchTrainEngine

@@ -40,10 +40,11 @@ def test_gigpo_runs_on_agentic_rows(tiny_policy):
     import pandas as pd
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.env_manager import run_episodes
     from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.rl_step import prepare_update, table_to_batch
+    from engines.rl_step import prepare_update
+    from engines.rollout_batch import RolloutBatch
 
     model, tok = tiny_policy
     episodes = run_episodes(HFGenerationEngine(model, tok), tok, "frozenlake", [1, 2], group_size=3, max_turns=3,
@@ -53,8 +54,8 @@ def test_gigpo_runs_on_agentic_rows(tiny_policy):
                         "loss_mask": ep.loss_mask, "turn_index": ep.turn_index, "turn_rewards": ep.turn_rewards,
                         "state_keys": json.dumps(ep.state_keys), "reward": ep.episode_return, "finish_reason": "done"}
                        for ep in episodes])
-    batch = table_to_batch(df, tok.pad_token_id)
-    u = prepare_update(df, batch, AlgorithmConfig(advantage="gigpo", gigpo_step_weight=1.0))
+    batch = RolloutBatch.from_table(df, tok.pad_token_id)
+    u = prepare_update(batch, AlgorithmConfig(advantage="gigpo", gigpo_step_weight=1.0))
     assert torch.isfinite(u.advantages).all()
     assert (u.advantages[batch.response_mask == 0] == 0).all()
     assert u.advantages.abs().sum() > 0

@@ -83,14 +83,15 @@ def test_multi_turn_table_credits_the_first_turn():
     # policy tokens (mean 0.5, unbiased var 0.3): ±0.5 / 0.547723 = ±0.912871 on every policy token
     import pandas as pd
 
-    from configs.algorithm import AlgorithmConfig
-    from engines.rl_step import prepare_update, table_to_batch
+    from engines.algorithms.config import AlgorithmConfig
+    from engines.rl_step import prepare_update
+    from engines.rollout_batch import RolloutBatch
 
     df = pd.DataFrame({"group_id": ["a", "b"], "prompt_token_ids": [[5, 6], [5, 7]],
                        "response_token_ids": [[1, 2, 3, 4, 5]] * 2, "loss_mask": [[1, 1, 0, 0, 1]] * 2,
                        "reward": [1.0, 0.0], "finish_reason": ["stop", "stop"]})
-    batch = table_to_batch(df, pad_id=0)
-    u = prepare_update(df, batch, AlgorithmConfig(advantage="reinforce_plus_plus", gamma=1.0, kl_coef=0.0))
+    batch = RolloutBatch.from_table(df, pad_id=0)
+    u = prepare_update(batch, AlgorithmConfig(advantage="reinforce_plus_plus", gamma=1.0, kl_coef=0.0))
     torch.testing.assert_close(u.returns, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0], [0.0] * 5]))
     a = 0.5 / math.sqrt(0.3 + 1e-8)
     torch.testing.assert_close(u.advantages, torch.tensor([[a, a, 0.0, 0.0, a], [-a, -a, 0.0, 0.0, -a]]))

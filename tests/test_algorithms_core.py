@@ -7,7 +7,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from configs.algorithm import AlgorithmConfig
 from engines.algorithms import (
     ADVANTAGES,
     actor_loss,
@@ -20,6 +19,7 @@ from engines.algorithms import (
     global_counts,
     register_advantage,
 )
+from engines.algorithms.config import AlgorithmConfig
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from configs.algorithm import AlgorithmConfig
 from engines.algorithms import (
     AdaptiveKLController,
     RunningStats,
@@ -27,6 +26,7 @@ from engines.algorithms import (
     shape_rewards,
     truncated_from_finish_reason,
 )
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.normalize import clip_advantages, clip_rewards, update_running_stats
 
 

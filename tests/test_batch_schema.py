@@ -1,4 +1,4 @@
-"""The rollout table's one declaration (tasks/types.py COLUMNS).
+"""The rollout table's one declaration (engines/rollout_batch.py COLUMNS).
 
 Tables built by the real writers on the tiny model (the rollout's `completion_rows` over
 HFGenerationEngine completions, the agentic `episode_rows` over `run_episodes`, then `with_rewards` /
@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 import torch
 
+from engines.rollout_batch import COLUMN, COLUMNS, DTYPES, ROLLOUT_COLUMNS, STAGES, TOKEN_FLOAT_COLUMNS, Column, columns_markdown
 from tasks.common import check_columns
-from tasks.types import COLUMN, COLUMNS, DTYPES, ROLLOUT_COLUMNS, STAGES, TOKEN_FLOAT_COLUMNS, Column, columns_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 DECLARED = {c.name for c in COLUMNS}
@@ -40,7 +40,7 @@ def _recomputed_logprobs(model, tok, df: pd.DataFrame) -> list[list[float]]:
 def rlvr(tiny_policy) -> dict[str, pd.DataFrame]:
     """The RLVR table after each stage, built by the stages' own functions on the tiny policy."""
     from engines.datasets import encode_nested
-    from engines.evaluation import encode_prompts
+    from engines.modeling import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from tasks.reference import with_logprobs
     from tasks.rollout import completion_rows
@@ -155,36 +155,36 @@ def test_declaration_is_well_formed_and_documented():
     with pytest.raises(ValueError, match=r"unknown stage\(s\) \['training'\]"):
         check_columns(pd.DataFrame(), "training")
     doc = (REPO / "docs" / "data.md").read_text()
-    assert columns_markdown() in doc  # regenerate with `python -m tasks.types`
+    assert columns_markdown() in doc  # regenerate with `python -m engines.rollout_batch`
     documented = set(re.findall(r"^\| `(\w+)` \| (?:int|float|bool|str|list)", doc.split("## The rollout table")[1], re.M))
     assert documented == DECLARED
 
 
 def test_update_tensors_come_from_one_conversion(rlvr, tiny_policy):
-    """`table_tensors` converts every token-level column once; `prepare_update` given those tensors
-    uses them (the table's own columns are not read again): same update with the columns dropped."""
-    from configs.algorithm import AlgorithmConfig
-    from engines.rl_step import prepare_update, table_tensors, table_to_batch, token_column
+    """`RolloutBatch.from_table` converts every token-level column once ([B, T] float32, each row's
+    list at its start, zero after); `prepare_update` reads those tensors (shifted old log-probs
+    change the KL it measures)."""
+    from engines.algorithms.config import AlgorithmConfig
+    from engines.batching import collate
+    from engines.rl_step import prepare_update
+    from engines.rollout_batch import RolloutBatch
 
     _, tok = tiny_policy
     df = rlvr["reference"]
-    tensors = table_tensors(df, tok.pad_token_id, TOKEN_FLOAT_COLUMNS)
-    T = tensors.batch.responses.shape[1]
-    assert set(tensors.token) == set(TOKEN_FLOAT_COLUMNS)
-    for name, t in tensors.token.items():
-        assert t.shape == (len(df), T) and torch.equal(t, token_column(df, name, T))
-    assert torch.equal(tensors.batch.input_ids, table_to_batch(df, tok.pad_token_id).input_ids)
-    stripped = df.drop(columns=list(TOKEN_FLOAT_COLUMNS))
-    for cfg in (AlgorithmConfig(kl_coef=0.1, use_kl_loss=False), AlgorithmConfig(advantage="gae")):
-        once = prepare_update(stripped, tensors.batch, cfg, token=tensors.token)
-        direct = prepare_update(df, table_to_batch(df, tok.pad_token_id), cfg)
-        assert torch.equal(once.advantages, direct.advantages) and torch.equal(once.returns, direct.returns)
-        assert once.metrics == direct.metrics
+    batch = RolloutBatch.from_table(df, tok.pad_token_id)
+    T = batch.responses.shape[1]
+    for name in TOKEN_FLOAT_COLUMNS:
+        t = getattr(batch, name)
+        assert t.shape == (len(df), T) and t.dtype == torch.float32, name
+        for i, v in enumerate(df[name]):
+            assert torch.equal(t[i, : len(v)], torch.tensor(list(v), dtype=torch.float32)) and not t[i, len(v):].any()
+    tokens = collate([list(p) for p in df["prompt_token_ids"]], [list(r) for r in df["response_token_ids"]], tok.pad_token_id)
+    assert torch.equal(batch.input_ids, tokens.input_ids) and torch.equal(batch.response_mask, tokens.response_mask)
+    assert batch.response_lengths.tolist() == [len(r) for r in df["response_token_ids"]]
     # shifted old log-probs change the KL the update measures: the tensors given are what it reads
     kl_cfg = AlgorithmConfig(kl_coef=0.1, use_kl_loss=False)
-    shifted = dict(tensors.token, old_logprobs=tensors.token["old_logprobs"] + 1.0)
-    base = prepare_update(stripped, tensors.batch, kl_cfg, token=tensors.token).metrics
-    moved = prepare_update(stripped, tensors.batch, kl_cfg, token=shifted).metrics
+    base = prepare_update(batch, kl_cfg).metrics
+    moved = prepare_update(replace(batch, old_logprobs=batch.old_logprobs + 1.0), kl_cfg).metrics
     assert base["actor/kl_ctrl_current_kl"] == pytest.approx(0.0, abs=1e-6)  # old == ref in this table
     assert moved["actor/kl_ctrl_current_kl"] > 0.1 and moved["actor/reward_kl_penalty"] > 0.1
 

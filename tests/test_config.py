@@ -75,7 +75,7 @@ def test_override_below_a_scalar_is_a_config_error(tmp_path):
 
 def test_config_is_immutable():
     """Sections are frozen so that hash() keeps describing the config it was computed from.
-    BUG (configs/algorithm.py): AlgorithmConfig is not frozen (model_config lacks frozen=True), so
+    BUG (engines/algorithms/config.py): AlgorithmConfig is not frozen (model_config lacks frozen=True), so
     `cfg.algorithm.kl_coef = ...` silently changes a config whose hash may already name a run."""
     cfg = parse_config({})
     with pytest.raises(Exception):

@@ -70,7 +70,7 @@ def _critic_engine(tiny_model_dir, lr=1e-2):
 def test_critic_update_lowers_the_value_loss_on_a_fixed_batch(tiny_policy, tiny_model_dir):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.critic_model import batched_values
 
     _, tok = tiny_policy
@@ -91,7 +91,7 @@ def test_critic_update_lowers_the_value_loss_on_a_fixed_batch(tiny_policy, tiny_
 def test_critic_update_does_not_depend_on_the_micro_batch_size(tiny_policy, tiny_model_dir):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
 
     _, tok = tiny_policy
     cfg = AlgorithmConfig(advantage="gae", cliprange_value=0.2)
@@ -120,17 +120,23 @@ def _table(tok, rewards):
     return pd.DataFrame(rows), batch
 
 
+def _rows(tok, df):
+    from engines.rollout_batch import RolloutBatch
+
+    return RolloutBatch.from_table(df, tok.pad_token_id)
+
+
 def test_objective_state_carries_across_iterations_and_survives_a_checkpoint(tiny_policy, tmp_path):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import AlgorithmState, prepare_update
 
     _, tok = tiny_policy
     df, batch = _table(tok, [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     cfg = AlgorithmConfig(advantage="reinforce", reinforce_baseline="ema", reinforce_ema_decay=0.5,
                           reward_norm="running", kl_ctrl="adaptive", kl_coef=0.1, kl_target=0.01, kl_horizon=100)
-    u1 = prepare_update(df, batch, cfg, None)
+    u1 = prepare_update(_rows(tok, df), cfg, None)
     assert u1.kl_coef == 0.1
     # measured KL (k3 of old=-1 vs ref=-1.5) is far above the target: β grows by 20% · 8/100
     assert u1.state.kl_coef == pytest.approx(0.1 * (1 + 0.2 * 8 / 100))
@@ -139,7 +145,7 @@ def test_objective_state_carries_across_iterations_and_survives_a_checkpoint(tin
     torch.save({"algorithm": u1.state.to_dict()}, path)
     restored = AlgorithmState.from_dict(torch.load(path, weights_only=True)["algorithm"])
     assert restored == u1.state
-    u2 = prepare_update(df, batch, cfg, restored)
+    u2 = prepare_update(_rows(tok, df), cfg, restored)
     assert u2.kl_coef == u1.state.kl_coef and u2.state.reward_stats[0] == 16.0
     assert u2.metrics["advantage/baseline"] == pytest.approx(u1.state.ema_baseline)
 
@@ -147,18 +153,18 @@ def test_objective_state_carries_across_iterations_and_survives_a_checkpoint(tin
 def test_gae_update_inputs_use_the_values_column(tiny_policy):
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.rl_step import prepare_update
 
     _, tok = tiny_policy
     df, batch = _table(tok, [1.0, 0.0, 1.0, 1.0])
-    u = prepare_update(df, batch, AlgorithmConfig(advantage="gae"), None)
+    u = prepare_update(_rows(tok, df), AlgorithmConfig(advantage="gae"), None)
     mask = u.response_mask
     assert torch.equal(u.values, 0.25 * mask)
     # γ = λ = 1: returns are the sequence reward on every token
     assert torch.allclose(u.returns, torch.tensor([1.0, 0.0, 1.0, 1.0]).unsqueeze(-1) * mask)
     with pytest.raises(ValueError, match="needs critic values"):
-        prepare_update(df.drop(columns=["values"]), batch, AlgorithmConfig(advantage="gae"), None)
+        prepare_update(_rows(tok, df.drop(columns=["values"])), AlgorithmConfig(advantage="gae"), None)
 
 
 def _parent_run(tmp):
@@ -202,7 +208,7 @@ def test_actor_step_takes_the_controller_beta_and_the_rollout_logprobs(tiny_poli
     """The trainer passes the KL controller's β and, with tis_cap, the behaviour log-probs."""
     import torch
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.batching import batched_logprobs
     from engines.training import TorchTrainEngine
 

@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from configs.algorithm import AlgorithmConfig
 from configs.schema import ConfigError, parse_config
+from engines.algorithms.config import AlgorithmConfig
 
 torch.set_num_threads(1)
 
@@ -175,7 +175,7 @@ def test_train_worker_in_bf16_trains_float32_weights_close_to_float32(tiny_polic
 
     cfg, spec, key, _ = published
     table = _scored_table(*tiny_policy)
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     got = {}
     for dtype in ("float32", "bfloat16"):
         worker = TrainWorker.__ray_actor_class__(threads=1, devices={"actor_train": ("cpu", dtype), "critic": ("cpu", dtype)})
@@ -194,6 +194,7 @@ def test_reference_worker_in_bf16_gives_float32_logprobs(tiny_policy, published)
     log-probs come back float32 (from bf16 logits) and within 0.02 nats of the float32 worker's
     (measured: 1.6e-3 at most on this batch)."""
     from engines.batching import batched_logprobs, collate
+    from engines.rollout_batch import RolloutBatch
     from tasks.workers import ReferenceWorker
     from tests.support.training import _scored_table
 
@@ -206,7 +207,7 @@ def test_reference_worker_in_bf16_gives_float32_logprobs(tiny_policy, published)
         worker.load("reference", spec, key)
         model = worker.models["reference"][1]
         assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
-        got[dtype] = worker.logprobs("reference", prompts, responses, worker.pad_id(), micro_batch=4)
+        got[dtype] = worker.logprobs("reference", RolloutBatch.from_table(table, worker.pad_id()), micro_batch=4)
         batch = collate(prompts, responses, worker.pad_id())
         assert batched_logprobs(model, batch).dtype == torch.float32
     for a, b in zip(got["float32"], got["bfloat16"]):

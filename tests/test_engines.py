@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from engines.batching import batched_logprobs, collate
-from engines.evaluation import encode_prompts, evaluate
+from engines.evaluation import evaluate
 from engines.generation import (Completion, HFGenerationEngine, InverseCDFSampler, SamplingParams, mkl_packing_available,
                                 sampling_processors)
-from engines.modeling import CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, load_policy, save_policy
+from engines.modeling import (CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, encode_prompts, load_policy,
+                              save_policy)
 from engines.pretrain import supervised_finetune
 from engines.synthetic import make_problems
 from tests.support.engines import PROMPTS, encode

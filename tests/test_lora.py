@@ -11,8 +11,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from configs.algorithm import AlgorithmConfig
 from configs.schema import FlyrollConfig
+from engines.algorithms.config import AlgorithmConfig
 from engines.batching import response_logprobs
 from engines.lora import DEFAULT_TARGETS, plain_model
 from engines.modeling import load_policy, save_policy
@@ -185,7 +185,7 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     cfg = parse_config({"run": {"torch_threads": 1}, "training": {"mini_batch_size": 8, "max_tokens_per_micro_batch": 64,
                                                                   "lr": 1e-2, "lora": {"rank": 8}}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), f"lora-{os.getpid()}", str(tmp_path / "store"), "", "")
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     table = _scored_table(model, tok)
 
     torch.manual_seed(0)

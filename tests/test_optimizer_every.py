@@ -141,7 +141,7 @@ def test_replay_rebuilds_a_deferred_version_exactly(lean_run, tmp_path, monkeypa
     cfg = load_config(config)
     run_id = keys[0].split("/")[1]
     spec = RunSpec(cfg.to_json(), cfg.hash(), run_id, str(tmp / "runs" / "store"), "", "")
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     key, next_key = keys[deferred - 1], keys[deferred]
     base = keys[deferred - 2] if deferred > 1 else manifests[0].parents[0]  # models/tiny-...: the run's start
     table = pd.read_parquet(f"{store.fetch(rollout_table_key(spec, deferred + 1), str(tmp_path / 't'))}/rollout.parquet")
@@ -181,7 +181,7 @@ def test_replay_that_misses_the_published_weights_keeps_them_and_warns(lean_run,
     tmp, config = lean_run
     store, keys, manifests = _versions(tmp)
     cfg = load_config(config)
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     run_id = keys[0].split("/")[1]
     copy = tmp_path / "store"
     shutil.copytree(tmp / "runs" / "store", copy)

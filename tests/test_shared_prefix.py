@@ -101,7 +101,7 @@ def test_training_update_equals_the_every_row_update(tiny_policy):
     """One GRPO-style update with shared prefixes (the default on the torch strategy) lands on the
     same parameters as with every row's prompt run (micro-batches of a few rows, so groups also
     straddle micro-batch boundaries)."""
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.strategies import TorchStrategy
     from engines.training import TorchTrainEngine
 

@@ -51,7 +51,7 @@ def test_single_process_strategy_is_the_plain_engine(tiny_policy):
     """strategy=None and strategy='torch' give bit-identical updates (the default path is unchanged)."""
     import copy
 
-    from configs.algorithm import AlgorithmConfig
+    from engines.algorithms.config import AlgorithmConfig
     from engines.strategies import make_strategy
     from engines.training import TorchTrainEngine
     from tests.strategy_ranks import synthetic_batch
@@ -149,7 +149,7 @@ def _train_in_process(cfg, spec, key: str, table, iterations: int):
     from tasks.workers import TrainWorker
 
     worker = TrainWorker.__ray_actor_class__(threads=1)
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     out = []
     for it in range(1, iterations + 1):
         worker.load(spec, key, tcfg, acfg)
@@ -166,7 +166,7 @@ def _train_with_workers(cfg, spec, key: str, table, iterations: int):
 
     workers = train_workers(cfg, spec.run_id)
     try:
-        tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+        tcfg, acfg = cfg.training, cfg.algorithm
         out = []
         for it in range(1, iterations + 1):
             ray.get([w.load.remote(spec, key, tcfg, acfg) for w in workers])
@@ -238,7 +238,7 @@ def test_train_worker_writes_the_checkpoint_itself_on_the_callers_node(ray_clust
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
     cfg = parse_config({"run": {"torch_threads": 1}, "training": {"mini_batch_size": 15, "max_tokens_per_micro_batch": 40}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), f"direct-{os.getpid()}", str(tmp_path / "store"), "", "")
-    tcfg, acfg = cfg.training.model_dump(), cfg.algorithm.model_dump()
+    tcfg, acfg = cfg.training, cfg.algorithm
     here = ray.get_runtime_context().get_node_id()
     got = {}
     for where, node in (("here", here), ("elsewhere", "another-node")):

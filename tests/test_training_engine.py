@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import global_counts
+from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.objective import actor_loss
 from engines.batching import response_logprobs
 from engines.training import TorchTrainEngine, balance_split, split_by_tokens

@@ -91,7 +91,7 @@ class JudgeReward:
 
     def _token_ids(self, text: str) -> list[int]:
         if self.use_chat_template:
-            from engines.evaluation import encode_prompts
+            from engines.modeling import encode_prompts
 
             (ids,) = encode_prompts(self.tokenizer, [text], apply_chat_template=True)
         else:

@@ -1,0 +1,214 @@
+"""The rollout table's column schema, and the table as one typed batch of tensors (`RolloutBatch`).
+
+Between tasks the rollout batch travels as a pandas DataFrame (Flyte StructuredDataset, parquet),
+one row per sample; each stage only adds columns. `COLUMNS` below is the one declaration of them
+(name, dtype, meaning, the stage that writes it); tasks/common.py `check_columns` checks a table
+against it at every stage boundary, and docs/data.md points here rather than copying it
+(`python -m engines.rollout_batch` prints its table).
+
+Inside the engines the table is a `RolloutBatch`, built once per actor call by
+`RolloutBatch.from_table` (the only DataFrame -> tensor conversion of the update path): the
+reference actor's forwards and the critic's and actor's updates all read its tensors.
+Layout (verl style, engines/batching.py): prompts left-padded to P, responses right-padded to T.
+Notation: B rows (= prompts × G samples), P prompt width, T response width, K turns (agentic).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+import torch
+
+from engines.algorithms.gigpo import gigpo_step_tensors
+from engines.batching import TokenBatch, collate
+
+STAGES = ("rollout", "scoring", "reference")  # in order; each adds its columns to the table
+DTYPES = ("int", "float", "bool", "str", "list[int]", "list[float]")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the rollout table.
+
+    name:     column name
+    dtype:    one of DTYPES: "float" also takes integers; "list[...]" is a list, tuple or numpy array
+              (parquet gives arrays back) of that element type
+    meaning:  what it holds
+    writer:   the stage that adds it (STAGES); agentic rows (tasks/agentic.py) are written by
+              `rollout_episodes` / `score_episodes`, the rollout and scoring stages of workflows/agentic.py
+    optional: only some paths write it (the agentic ones, the critic's); checked when present
+    nullable: None (or NaN) is allowed
+    aligned:  token-level: one entry per token of `response_token_ids` (same length in every row)
+    """
+
+    name: str
+    dtype: str
+    meaning: str
+    writer: str
+    optional: bool = False
+    nullable: bool = False
+    aligned: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES or self.writer not in STAGES:
+            raise ValueError(f"column {self.name!r}: dtype must be one of {DTYPES} and writer one of {STAGES}, "
+                             f"got dtype {self.dtype!r}, writer {self.writer!r}")
+
+
+_R, _S, _F = "rollout", "scoring", "reference"
+COLUMNS: tuple[Column, ...] = (
+    # rollout (tasks/rollout.py completion_rows; tasks/agentic.py episode_rows)
+    Column("prompt_id", "str", "id of the prompt in the train split (agentic: seed-<env seed>)", _R),
+    Column("group_id", "str", "<iteration>:<prompt id>; the samples of one prompt (GRPO group) share it (partial "
+           "rollout: the iteration its first segment was generated in)", _R),
+    Column("sample_id", "int", "0..G-1 within the group", _R),
+    Column("domain", "str", "routes the reward (agentic: the environment's name)", _R),
+    Column("prompt", "str", "prompt text as given to the tokenizer", _R),
+    Column("answer", "str", "reference final answer (None for code tests and environments)", _R, nullable=True),
+    Column("tests", "str", "code tests as JSON text (engines/datasets.py encode_nested), copied from the prompt table",
+           _R, optional=True, nullable=True),
+    Column("metadata", "str", "what a reward needs besides the answer, as JSON text, copied from the prompt table",
+           _R, optional=True, nullable=True),
+    Column("prompt_token_ids", "list[int]", "prompt tokens exactly as the policy saw them", _R),
+    Column("response", "str", "decoded response (agentic: the transcript of all turns)", _R),
+    Column("response_token_ids", "list[int]", "response tokens exactly as sampled (agentic: a_1 o_1 a_2 ...)", _R),
+    Column("behaviour_logprobs", "list[float]", "the generation engine's log-prob of each response token", _R,
+           aligned=True),
+    Column("finish_reason", "str", "stop or length (agentic: done, max_turns, truncated or env_error)", _R),
+    Column("policy_version", "int", "version of the policy that generated the sample (lineage); partial rollout: "
+           "that of its last segment", _R),
+    Column("policy_versions", "list[int]", "partial rollout (rollout.partial_rollout_max_split > 1): the policy version "
+           "of each generated segment, oldest first", _R, optional=True),
+    # rollout, agentic only (tasks/agentic.py; engines/env_manager.py Episode)
+    Column("loss_mask", "list[int]", "agentic: 1 on the policy's own tokens, 0 on environment tokens", _R, optional=True,
+           aligned=True),
+    Column("turn_index", "list[int]", "agentic: turn (0-based) of each policy token, -1 on environment tokens", _R,
+           optional=True, aligned=True),
+    Column("turn_rewards", "list[float]", "agentic: reward of each turn", _R, optional=True),
+    Column("state_keys", "str", "agentic: environment state before each action, JSON list (GiGPO anchors)", _R,
+           optional=True),
+    Column("env_return", "float", "agentic: the episode's return (sum of turn rewards)", _R, optional=True),
+    Column("success", "bool", "agentic: the environment counted the episode as solved", _R, optional=True),
+    Column("turns", "int", "agentic: actions taken", _R, optional=True),
+    Column("num_effective", "int", "agentic: actions that changed the environment's state", _R, optional=True),
+    Column("num_invalid", "int", "agentic: actions that were not valid (not parsed, or not legal)", _R, optional=True),
+    Column("env_error", "str", "agentic: the exception an env.step raised", _R, optional=True, nullable=True),
+    # scoring (tasks/scoring.py with_rewards; tasks/agentic.py score_episodes)
+    Column("reward", "float", "the sample's reward (a failed reward call: 0)", _S),
+    Column("reward_error", "str", "why the reward call failed", _S, nullable=True),
+    # reference forward (tasks/reference.py with_logprobs)
+    Column("ref_logprobs", "list[float]", "log-probs of the reference model (KL anchor)", _F, aligned=True),
+    Column("old_logprobs", "list[float]", "log-probs of the policy that sampled (pi_old), recomputed, or the behaviour "
+           "ones when that forward is skipped", _F, aligned=True),
+    Column("values", "list[float]", "critic values V(s_t) (algorithm.advantage: gae)", _F, optional=True, aligned=True),
+)
+COLUMN = {c.name: c for c in COLUMNS}
+
+# stage -> names of the columns it adds to the rollout table (optional ones included)
+ROLLOUT_COLUMNS = {stage: [c.name for c in COLUMNS if c.writer == stage] for stage in STAGES}
+# the token-level float columns, which the update takes as [B, T] tensors (`RolloutBatch` fields)
+TOKEN_FLOAT_COLUMNS = tuple(c.name for c in COLUMNS if c.aligned and c.dtype == "list[float]")
+
+
+def columns_markdown() -> str:
+    """`COLUMNS` as the markdown table in docs/data.md (`python -m engines.rollout_batch` prints it)."""
+    lines = ["| column | dtype | written by | meaning |", "|---|---|---|---|"]
+    for c in COLUMNS:
+        notes = [n for n, on in (("optional", c.optional), ("may be None", c.nullable),
+                                 ("one per response token", c.aligned)) if on]
+        lines.append(f"| `{c.name}` | {c.dtype} | {c.writer} | {c.meaning}{' (' + '; '.join(notes) + ')' if notes else ''} |")
+    return "\n".join(lines)
+
+
+def _as_list(x) -> list:
+    return x.tolist() if isinstance(x, np.ndarray) else list(x)
+
+
+def _token_column(df: pd.DataFrame, column: str, width: int) -> torch.Tensor:
+    """A list-valued token-level column -> [B, width] float32, zero-padded on the right."""
+    out = torch.zeros((len(df), width), dtype=torch.float32)
+    for i, v in enumerate(df[column]):
+        v = _as_list(v)[:width]
+        if v:
+            out[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """A rollout table as tensors (`from_table`). Token-level float columns are zero-padded on the
+    right; a column the table does not have (yet) is None.
+
+    input_ids ... response_mask: the padded tokens, as `TokenBatch` holds them (`tokens()`)
+    response_lengths: tokens in each row's `response_token_ids`
+    scores, group_index, truncated: `reward`, `group_id` (factorized in row order), `finish_reason == "length"`
+    turn_index, step_rewards, step_state_ids: GiGPO's per-turn structure of agentic rows
+        (engines/algorithms/gigpo.py `gigpo_step_tensors`), when the table has turn_index,
+        turn_rewards and state_keys
+    """
+
+    input_ids: torch.Tensor                          # [B, P+T] long
+    attention_mask: torch.Tensor                     # [B, P+T] long, 1 on real tokens
+    position_ids: torch.Tensor                       # [B, P+T] long
+    responses: torch.Tensor                          # [B, T] long
+    response_mask: torch.Tensor                      # [B, T] float32, 1 on response tokens the loss sees (loss_mask)
+    response_lengths: torch.Tensor                   # [B] long
+    scores: torch.Tensor | None = None               # [B] float32
+    group_index: torch.Tensor | None = None          # [B] long
+    truncated: torch.Tensor | None = None            # [B] bool
+    behaviour_logprobs: torch.Tensor | None = None   # [B, T] float32
+    ref_logprobs: torch.Tensor | None = None         # [B, T] float32
+    old_logprobs: torch.Tensor | None = None         # [B, T] float32
+    values: torch.Tensor | None = None               # [B, T] float32
+    turn_index: torch.Tensor | None = None           # [B, T] long, -1 on environment tokens
+    step_rewards: torch.Tensor | None = None         # [B, K] float32
+    step_state_ids: torch.Tensor | None = None       # [B, K] long, -1 past a row's turns
+
+    @classmethod
+    def from_table(cls, df: pd.DataFrame, pad_id: int) -> "RolloutBatch":
+        """The one conversion of a rollout table (rows in table order) to tensors. `pad_id`: any
+        id (padding is masked out), the tokenizer's pad token by convention."""
+        masks = [_as_list(m) for m in df["loss_mask"]] if "loss_mask" in df.columns else None
+        responses = [_as_list(r) for r in df["response_token_ids"]]
+        tokens = collate([_as_list(p) for p in df["prompt_token_ids"]], responses, pad_id, loss_masks=masks)
+        T = tokens.responses.shape[1]
+        token = {c: _token_column(df, c, T) for c in TOKEN_FLOAT_COLUMNS if c in df.columns}
+        steps = {}
+        if {"turn_index", "turn_rewards", "state_keys"} <= set(df.columns):
+            keys = [json.loads(k) if isinstance(k, str) else list(k) for k in df["state_keys"]]
+            steps = gigpo_step_tensors([_as_list(t) for t in df["turn_index"]], [_as_list(r) for r in df["turn_rewards"]],
+                                       keys, width=T)
+        return cls(
+            tokens.input_ids, tokens.attention_mask, tokens.position_ids, tokens.responses, tokens.response_mask,
+            response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.long),
+            scores=torch.as_tensor(df["reward"].to_numpy(dtype=np.float32)) if "reward" in df.columns else None,
+            group_index=(torch.as_tensor(pd.factorize(df["group_id"])[0], dtype=torch.long)
+                         if "group_id" in df.columns else None),
+            truncated=(torch.as_tensor((df["finish_reason"] == "length").to_numpy().copy())
+                       if "finish_reason" in df.columns else None),
+            **token, **steps,
+        )
+
+    @property
+    def size(self) -> int:
+        """B, the number of rows."""
+        return self.input_ids.shape[0]
+
+    def tokens(self, loss_mask: bool = True) -> TokenBatch:
+        """The padded tokens as a `TokenBatch` (the same tensors). `loss_mask=False`: its
+        response_mask is 1 on every response token (the forwards of the reference stage)."""
+        mask = self.response_mask
+        if not loss_mask:
+            mask = self.attention_mask[:, self.input_ids.shape[1] - self.responses.shape[1]:].to(torch.float32)  # [B, T]
+        return TokenBatch(self.input_ids, self.attention_mask, self.position_ids, self.responses, mask)
+
+    def with_response_mask(self, response_mask: torch.Tensor) -> "RolloutBatch":
+        """The same batch with `response_mask` [B, T] (the one the update's masks leave)."""
+        return replace(self, response_mask=response_mask)
+
+
+if __name__ == "__main__":
+    print(columns_markdown())
