@@ -312,6 +312,7 @@ def load_raw_config(path: str, generators: list[str] | None) -> dict:
     import yaml
 
     from configs.schema import parse_config
+    from infra.resources import check_placement
 
     if not os.path.isfile(path):
         raise ValueError(f"--config {path!r}: no such file (expected a flyroll YAML config)")
@@ -325,7 +326,7 @@ def load_raw_config(path: str, generators: list[str] | None) -> dict:
         import reasoning_gym
 
         raw = with_generators(raw, *parse_generators(generators, reasoning_gym.factory.DATASETS))
-    parse_config(raw, path)  # ConfigError (a ValueError) naming the field
+    check_placement(parse_config(raw, path))  # ConfigError (a ValueError) naming the field
     return raw
 
 

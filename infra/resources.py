@@ -27,6 +27,7 @@ from flytekit import Resources
 from flytekit.extras.accelerators import A100, BaseAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
+from configs.schema import ConfigError, load_config
 from infra.ray_cluster import FlyrollRayJobConfig
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
@@ -79,9 +80,9 @@ def _packaged_config():
     path = os.environ.get("FLYROLL_CONFIG")
     if not path:
         return None
-    from configs.schema import load_config
-
-    return load_config(path)
+    cfg = load_config(path)
+    check_placement(cfg)
+    return cfg
 
 
 def task_resources(name: str) -> dict:
@@ -248,6 +249,28 @@ def resolve_device(device: str, dtype: str, gpus: float) -> tuple[str, str]:
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return device, dtype
+
+
+def check_placement(cfg) -> None:
+    """Refuse (ConfigError) a placement that asks for `device: cuda` in a role whose worker requests
+    no GPU. Called where a run's config is loaded, before any cluster starts (tasks/prepare.py
+    `prepare_run`, the eval and bench CLIs, `pyflyte package` with FLYROLL_CONFIG): the check needs
+    the profile's GPU requests, which are compute, not config (so configs/schema.py cannot make it)."""
+    gpu_roles = [r for r in ("actor_train", "actor_infer", "reference", "critic", "reward")
+                 if getattr(cfg.placement, r).device == "cuda"]
+    if not gpu_roles:
+        return
+    plan = placement_plan(cfg)
+    for r in gpu_roles:
+        gpus = sum(p.gpu for p in plan.values() if p.pool == plan[r].pool)  # the critic rides in actor_train's workers
+        if gpus <= 0:
+            raise ConfigError(
+                f"placement.{r}.device='cuda' but role {r!r} requests no GPU under FLYROLL_PROFILE={profile()} "
+                f"(its worker's GPUs: {gpus:g}; placement.{r}.gpu={getattr(cfg.placement, r).gpu}, None = the "
+                "profile's default: 0 on cpu, 1 on gpu except reward); expected a GPU request: set "
+                f"placement.{'actor_train' if r == 'critic' else r}.gpu (e.g. 1)"
+                f"{' or run with FLYROLL_PROFILE=gpu' if profile() == 'cpu' else ''}, or set placement.{r}.device "
+                "to 'auto' or 'cpu'")
 
 
 def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:
