@@ -3,7 +3,7 @@ at a time so the benchmark can alternate them with TRL's.
 
   python benchmarks/flyroll_grpo_step.py SPEC.json      # from the repository root (PYTHONPATH=.)
 
-SPEC.json (written by infra/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
+SPEC.json (written by benchmarks/bench.py): engine ("hf" | "vllm"), model_dir, chat, problems
 [{prompt, answer}], samples, max_new, threads, lr, micro_tokens, kv_cache_gb, release_memory, reward
 ("shaped" | "exact", benchmarks/bench_reward.py), sync ("memory" | "files"; default "files").
 

@@ -2,7 +2,7 @@
 
 TRL's worker (benchmarks/trl_grpo_learn.py) runs in its own environment (.venv-trl), which has
 reasoning-gym but not flyroll. It scores each completion with `score(response, row)`, where `row`
-is what the benchmark driver wrote for that prompt (infra/bench_learning.py `reward_row`):
+is what the benchmark driver wrote for that prompt (benchmarks/bench_learning.py `reward_row`):
 
 - {"reward": "reasoning_gym", "rg_dataset", "rg_config", "rg_entry"}: the task's own reasoning-gym
   score of the answer between the last <answer>...</answer> tags (without tags: the whole

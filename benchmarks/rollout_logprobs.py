@@ -31,9 +31,9 @@ def child(way: str, model_dir: str, chat: bool, max_new: int, repeats: int) -> d
     sys.path.insert(0, HERE)
     from worker_memory import rss_gb
 
+    from benchmarks.bench import problems_for
     from engines.generation import HFGenerationEngine, SamplingParams, StepLogprobs, sampling_processors
     from engines.modeling import encode_prompts, load_policy
-    from infra.bench import problems_for
 
     torch.set_num_threads(2)
     model, tok = load_policy(model_dir)
@@ -77,7 +77,7 @@ def main() -> None:
         return
     from rich.console import Console
 
-    from infra.bench import prepare_model
+    from benchmarks.bench import prepare_model
 
     root = tempfile.mkdtemp(prefix="flyroll-rollout-logprobs-")
     try:

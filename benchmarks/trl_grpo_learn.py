@@ -3,7 +3,7 @@ budget, saving checkpoints along the way, in TRL's own environment (no flyroll i
 
   .venv-trl/bin/python benchmarks/trl_grpo_learn.py SPEC.json
 
-SPEC.json (written by infra/bench_learning.py `trl_spec`): model_dir, chat (apply the chat template),
+SPEC.json (written by benchmarks/bench_learning.py `trl_spec`): model_dir, chat (apply the chat template),
 prompts [str], rows [reward row per prompt, benchmarks/learn_reward.py], samples (G), prompts_per_step
 (B), mini_batch (samples per optimizer step), max_new, temperature, top_p, stop [str], lr, beta
 (KL coefficient), warmup_steps, weight_decay, grad_clip, gradient_checkpointing, threads, seed, budget_s, t0 (the driver's

@@ -4,7 +4,7 @@ so the benchmark can alternate them with flyroll's.
 
   .venv-trl/bin/python benchmarks/trl_grpo_step.py SPEC.json
 
-SPEC.json (written by infra/bench.py): model_dir, chat, problems [{prompt, answer}], samples,
+SPEC.json (written by benchmarks/bench.py): model_dir, chat, problems [{prompt, answer}], samples,
 max_new, batches, threads, lr, reward. One GRPO step = generation of len(problems) x samples
 completions with transformers (temperature 1), the reward (benchmarks/bench_reward.py), beta=0
 (no reference model), one optimizer step. The trainer runs `batches + 1` steps; the first is the warm-up.

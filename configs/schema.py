@@ -202,7 +202,7 @@ class RoleResources(_Section):
     cpu: float | None = Field(None, gt=0, le=1024, description="CPUs per worker of this role. None = the FLYROLL_PROFILE default of the stage that hosts it (infra/resources.py).")
     gpu: float | None = Field(None, ge=0, le=64, description="GPUs per worker. None = the profile default (0 on cpu, 1 on gpu). Fractions are allowed (several workers per device).")
     memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)$", description="Memory per worker, Kubernetes style ('12Gi'). None = the profile default.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where this role's models live: weights, optimizer state (training roles), KV cache (generation) and the log-prob / value forwards (engines/devices.py). 'auto' = 'cuda' when the worker that runs the role requests a GPU (`gpu` here, or the FLYROLL_PROFILE default: 0 on cpu, 1 on gpu; the critic follows the actor_train workers it rides in), else 'cpu'. 'cuda' for a role whose worker requests no GPU is refused at config load. (rollout.engine 'vllm' picks its device from its own install and gets only `dtype`.)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where this role's models live: weights, optimizer state (training roles), KV cache (generation) and the log-prob / value forwards (engines/devices.py). 'auto' = 'cuda' when the worker that runs the role requests a GPU (`gpu` here, or the FLYROLL_PROFILE default: 0 on cpu, 1 on gpu; the critic follows the actor_train workers it rides in), else 'cpu'. 'cuda' for a role whose worker requests no GPU is refused before any cluster starts (infra/resources.py check_placement). (rollout.engine 'vllm' picks its device from its own install and gets only `dtype`.)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Precision of this role's models. 'auto' = 'bfloat16' on cuda, 'float32' on cpu (every CPU default unchanged). Inference roles (actor_infer, reference, reward) cast their weights to it. Training roles (actor_train, critic) keep float32 weights and float32 AdamW state (master weights) and run each forward under torch.autocast in this dtype (mixed precision, the effect of FSDP's bf16 MixedPrecisionPolicy); 'float16' is refused for them (it needs loss scaling, not built). Log-probs are computed in float32 from the logits either way. Trade-off: bfloat16 halves weight/activation memory and runs at tensor-core speed on GPUs, at ~3 significant digits per activation (tests/test_devices.py measures the bf16 vs float32 update on CPU).")
 
 
@@ -362,22 +362,6 @@ class FlyrollConfig(_Section):
         negative = {k: v for k, v in self.data.domain_weights.items() if v < 0}
         if negative or (self.data.domain_weights and sum(self.data.domain_weights.values()) <= 0):
             raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(self.data.domain_weights)}")
-        gpu_roles = [r for r in ("actor_train", "actor_infer", "reference", "critic", "reward")
-                     if getattr(self.placement, r).device == "cuda"]
-        if gpu_roles:  # only then: infra.resources (flytekit) resolves the profile's GPU requests
-            from infra.resources import placement_plan, profile
-
-            plan = placement_plan(self)
-            for r in gpu_roles:
-                gpus = sum(p.gpu for p in plan.values() if p.pool == plan[r].pool)  # the critic rides in actor_train's workers
-                if gpus <= 0:
-                    raise ValueError(
-                        f"placement.{r}.device='cuda' but role {r!r} requests no GPU under FLYROLL_PROFILE={profile()} "
-                        f"(its worker's GPUs: {gpus:g}; placement.{r}.gpu={getattr(self.placement, r).gpu}, None = the "
-                        "profile's default: 0 on cpu, 1 on gpu except reward); expected a GPU request: set "
-                        f"placement.{'actor_train' if r == 'critic' else r}.gpu (e.g. 1)"
-                        f"{' or run with FLYROLL_PROFILE=gpu' if profile() == 'cpu' else ''}, or set placement.{r}.device "
-                        "to 'auto' or 'cpu'")
         if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
             raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: advantage '{self.algorithm.advantage}' compares samples within a group and needs at least 2")
         return self

@@ -202,9 +202,12 @@ def _import_gguf(model: str, workdir: str) -> str:
 def reward_options(config: str | None) -> tuple[dict[str, str], dict[str, dict], float]:
     """(routes, model reward options, timeout_s) of the `reward` section of `config` (defaults without one)."""
     from configs.schema import ConfigError, load_config, parse_config
+    from infra.resources import check_placement
 
     try:
-        reward = (load_config(config) if config else parse_config({})).reward
+        cfg = load_config(config) if config else parse_config({})
+        check_placement(cfg)
+        reward = cfg.reward
     except ConfigError as e:
         raise EvalError(f"--config {config!r}: {e}") from e
     return dict(reward.functions), {"judge": reward.judge.model_dump(), "reward_model": reward.reward_model.model_dump()}, reward.timeout_s
@@ -217,9 +220,12 @@ def stop_strings(given: list[str] | None, config: str | None) -> tuple[str, ...]
     if config is None:
         return ()
     from configs.schema import ConfigError, load_config
+    from infra.resources import check_placement
 
     try:
-        return tuple(load_config(config).rollout.stop)
+        cfg = load_config(config)
+        check_placement(cfg)
+        return tuple(cfg.rollout.stop)
     except ConfigError as e:
         raise EvalError(f"--config {config!r}: {e}") from e
 

@@ -1,10 +1,11 @@
 """Which Ray cluster a stage task runs on, and the local per-task mode that mirrors KubeRay.
 
-Every Ray stage task is declared with a `FlyrollRayJobConfig` (a flytekitplugins-ray `RayJobConfig`
-that also names the stage's role). On a Flyte cluster it compiles to the same RayJob as the plugin's
+Every Ray stage task is declared with `ray_job(stage)`: a `FlyrollRayJobConfig` (infra/resources.py,
+a flytekitplugins-ray `RayJobConfig` that also names the stage's role), which this module's task
+plugin runs -- so a task declared with it always finds the plugin registered. On a Flyte cluster it compiles to the same RayJob as the plugin's
 own config: KubeRay brings up the head and worker pods for the task and tears them down after it.
 
-Locally there are two modes (`FLYROLL_RAY`):
+Locally there are two modes (`FLYROLL_RAY`, infra/ray_session.py `ray_mode`):
 
 - `shared` (default): the Ray plugin starts one local Ray instance for the first Ray task and every
   later task reuses it, with its named engine actors (a model is loaded once, then updated in place).
@@ -23,7 +24,6 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from unittest import mock
 
 from flytekit.core.context_manager import ExecutionParameters
@@ -32,7 +32,10 @@ from flytekitplugins.ray import RayJobConfig
 from flytekitplugins.ray.task import RayFunctionTask
 from rich.console import Console
 
-MODES = ("shared", "per-task")
+from configs.schema import FlyrollConfig
+from infra.ray_session import is_local_execution, ray_mode, shutdown
+from infra.resources import FlyrollRayJobConfig, packaged_config, stage_ray_job
+
 _OBJECT_STORE_MB = {"head": 512, "worker": 256}   # per local node (memory-backed /dev/shm)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -41,18 +44,11 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 CURRENT: dict[str, float] = {}
 
 
-def ray_mode() -> str:
-    mode = os.environ.get("FLYROLL_RAY", "shared")
-    if mode not in MODES:
-        raise ValueError(f"FLYROLL_RAY={mode!r}; expected one of {list(MODES)}")
-    return mode
-
-
-@dataclass
-class FlyrollRayJobConfig(RayJobConfig):
-    """A RayJobConfig that names the stage role it was made for (infra/resources.py ROLES)."""
-
-    role: str = ""
+def ray_job(name: str) -> RayJobConfig:
+    """`@task(task_config=ray_job(stage))`: the stage's ephemeral Ray cluster (KubeRay on Kubernetes;
+    a local Ray instance, or its own cluster under FLYROLL_RAY=per-task, locally), sized for the
+    config named by FLYROLL_CONFIG at package time, else by the profile."""
+    return stage_ray_job(packaged_config(), name)
 
 
 def _cpus_gpus(params: dict | None, requests) -> tuple[float, float]:
@@ -132,8 +128,6 @@ def task_cluster(job: RayJobConfig, role: str):
     import ray
     from ray.cluster_utils import Cluster
 
-    from infra.ray_session import shutdown
-
     shutdown()
     shapes = node_shapes(job)
     t0 = time.perf_counter()
@@ -188,9 +182,6 @@ def stage_job(task_config: RayJobConfig, role: str, spec) -> RayJobConfig:
     else (no RunSpec among the inputs) the config the task was compiled with."""
     if spec is None:
         return task_config
-    from configs.schema import FlyrollConfig
-    from infra.resources import stage_ray_job
-
     return stage_ray_job(FlyrollConfig.model_validate_json(spec.config_json), role)
 
 
@@ -198,8 +189,6 @@ class FlyrollRayTask(RayFunctionTask):
     """The Ray plugin's task, plus the local per-task mode (see the module docstring)."""
 
     def _per_task(self) -> bool:
-        from infra.ray_session import is_local_execution
-
         return ray_mode() == "per-task" and is_local_execution()
 
     def pre_execute(self, user_params: ExecutionParameters) -> ExecutionParameters:

@@ -13,6 +13,15 @@ from __future__ import annotations
 import logging
 import os
 
+MODES = ("shared", "per-task")  # FLYROLL_RAY: one local Ray instance for the run, or a cluster per task
+
+
+def ray_mode() -> str:
+    mode = os.environ.get("FLYROLL_RAY", "shared")
+    if mode not in MODES:
+        raise ValueError(f"FLYROLL_RAY={mode!r}; expected one of {list(MODES)}")
+    return mode
+
 
 class _QuietReinit(logging.Filter):
     """Every Ray task of a local run calls ray.init() on the shared instance; Ray logs each at INFO."""
@@ -41,8 +50,6 @@ def shared_local_ray() -> bool:
     (`FLYROLL_RAY=shared`). False on a cluster and in the local per-task mode: there each task's
     actors live and die with its own Ray cluster, reserve what they would on a cluster, and load
     their weights from the store."""
-    from infra.ray_cluster import ray_mode
-
     return is_local_execution() and ray_mode() == "shared"
 
 

@@ -12,8 +12,13 @@ device and dtype its models use (`resolve_device`: 'auto' = cuda when its worker
 Flyte resources, its Ray cluster (one pod per worker) and the actors' reservations (colocated roles
 reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
 defaults they return exactly the profile values above. `hosted_roles` / `task_actors` declare which
-actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py). `pyflyte package` with FLYROLL_CONFIG=<preset>
-compiles a preset's placement into the tasks' resources.
+actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py).
+`pyflyte package` with FLYROLL_CONFIG=<preset> compiles a preset's placement into the tasks'
+resources. `check_placement(cfg)` refuses, before any cluster starts, a role placed on cuda whose
+worker requests no GPU.
+
+This module only describes compute; infra/ray_cluster.py starts the clusters it describes (and
+declares a stage's Ray task, `ray_job`), infra/ray_session.py runs the actors in them.
 """
 
 from __future__ import annotations
@@ -27,9 +32,17 @@ from flytekit import Resources
 from flytekit.extras.accelerators import A100, BaseAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
-from infra.ray_cluster import FlyrollRayJobConfig
+from configs.schema import ConfigError, load_config
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
+
+
+@dataclass
+class FlyrollRayJobConfig(RayJobConfig):
+    """A RayJobConfig that names the stage role it was made for (ROLES, or "fused"). Declare a Ray
+    task with infra/ray_cluster.py `ray_job`: that module holds the Flyte task plugin that runs it."""
+
+    role: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,21 +87,21 @@ def role(name: str) -> RoleSpec:
     return PROFILES[profile()][name]
 
 
-def _packaged_config():
+def packaged_config():
     """The config named by FLYROLL_CONFIG at import/package time, or None."""
     path = os.environ.get("FLYROLL_CONFIG")
     if not path:
         return None
-    from configs.schema import load_config
-
-    return load_config(path)
+    cfg = load_config(path)
+    check_placement(cfg)
+    return cfg
 
 
 def task_resources(name: str) -> dict:
     """Keyword arguments for `@task(...)`: requests, limits, accelerator."""
     if name == "fused":  # its pod is the head of its cluster, training's head
         name = "training"
-    cfg = _packaged_config()
+    cfg = packaged_config()
     if cfg is not None and name in _POOLS:
         return task_resources_for(cfg, name)
     return _profile_task_resources(name)
@@ -102,13 +115,9 @@ def _profile_task_resources(name: str) -> dict:
     return kw
 
 
-def ray_job(name: str) -> RayJobConfig:
-    """The ephemeral Ray cluster of a role's task (KubeRay on Kubernetes; a local Ray instance locally)."""
-    return stage_ray_job(_packaged_config(), name)
-
-
 def stage_ray_job(cfg, name: str) -> RayJobConfig:
-    """Stage `name`'s Ray cluster for `cfg` (None: the profile's): `ray_job_for` for the stages that
+    """Stage `name`'s Ray cluster (KubeRay on Kubernetes; a local Ray instance locally) for `cfg`
+    (None: the profile's): `ray_job_for` for the stages that
     host engine pools, `fused_ray_job` for the fused task, else the profile's."""
     if name == "fused":
         return fused_ray_job(cfg)
@@ -184,7 +193,7 @@ def hosted_roles(cfg, task: str) -> tuple[str, ...]:
 
 def task_actors(cfg, task: str) -> list[tuple[str, dict]]:
     """(placement role, Ray `.options(...)` on a cluster) of every actor stage task `task` can hold
-    at once: `num_workers` per hosted role. What its RayJobConfig (`ray_job`) must have room for."""
+    at once: `num_workers` per hosted role. What its RayJobConfig (`stage_ray_job`) must have room for."""
     plan = placement_plan(cfg)
     return [(r, actor_options_for(cfg, r, local=False)) for r in hosted_roles(cfg, task) for _ in range(plan[r].num_workers)]
 
@@ -248,6 +257,28 @@ def resolve_device(device: str, dtype: str, gpus: float) -> tuple[str, str]:
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     return device, dtype
+
+
+def check_placement(cfg) -> None:
+    """Refuse (ConfigError) a placement that asks for `device: cuda` in a role whose worker requests
+    no GPU. Called where a run's config is loaded, before any cluster starts (tasks/prepare.py
+    `prepare_run`, the eval and bench CLIs, `pyflyte package` with FLYROLL_CONFIG): the check needs
+    the profile's GPU requests, which are compute, not config (so configs/schema.py cannot make it)."""
+    gpu_roles = [r for r in ("actor_train", "actor_infer", "reference", "critic", "reward")
+                 if getattr(cfg.placement, r).device == "cuda"]
+    if not gpu_roles:
+        return
+    plan = placement_plan(cfg)
+    for r in gpu_roles:
+        gpus = sum(p.gpu for p in plan.values() if p.pool == plan[r].pool)  # the critic rides in actor_train's workers
+        if gpus <= 0:
+            raise ConfigError(
+                f"placement.{r}.device='cuda' but role {r!r} requests no GPU under FLYROLL_PROFILE={profile()} "
+                f"(its worker's GPUs: {gpus:g}; placement.{r}.gpu={getattr(cfg.placement, r).gpu}, None = the "
+                "profile's default: 0 on cpu, 1 on gpu except reward); expected a GPU request: set "
+                f"placement.{'actor_train' if r == 'critic' else r}.gpu (e.g. 1)"
+                f"{' or run with FLYROLL_PROFILE=gpu' if profile() == 'cpu' else ''}, or set placement.{r}.device "
+                "to 'auto' or 'cpu'")
 
 
 def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:

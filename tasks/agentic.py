@@ -17,7 +17,8 @@ import ray
 from flytekit import task
 
 from infra import tracking
-from infra.resources import ray_job, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.prepare import EVAL_SEED0, TRAIN_SEED0
 from tasks.rollout import generation_pool, rollout_sampling

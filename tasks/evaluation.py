@@ -10,7 +10,8 @@ from flytekit import task
 
 from infra import decks, tracking
 from infra.ray_session import is_local_execution, shutdown
-from infra.resources import ray_job, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import task_resources
 from tasks.common import config_of, console, stage
 from tasks.rollout import generation_pool, read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec

@@ -30,7 +30,8 @@ import typing
 import pandas as pd
 from flytekit import task
 
-from infra.resources import ray_job, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import task_resources
 from tasks.evaluation import evaluate
 from tasks.reference import reference_forward
 from tasks.rollout import rollout

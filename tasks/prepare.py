@@ -14,7 +14,7 @@ from flytekit import Cache, task
 
 from configs.schema import load_config
 from infra import tracking
-from infra.resources import task_resources
+from infra.resources import check_placement, task_resources
 from infra.store import ArtifactStore
 from tasks.common import config_of, console, execution_id, store_of
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -33,6 +33,7 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     """Validate the config (fails here, before any cluster, naming field/value/expectation) and open
     the MLflow parent run -- or find the run to resume (same name + config hash) unless `restart`."""
     cfg = load_config(config or None)
+    check_placement(cfg)
     check_remote_uris(cfg, os.environ)
     chash = cfg.hash()
     run_id = f"{cfg.run.name}-{chash}"

@@ -23,7 +23,8 @@ from flytekit import task
 
 from engines.rollout_batch import RolloutBatch
 from infra.ray_session import actor_pool, shared_local_ray
-from infra.resources import actor_options_for, ray_job, role_devices, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import ReferenceWorker

@@ -17,7 +17,8 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, shared_local_ray
-from infra.resources import actor_options_for, ray_job, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import actor_options_for, task_resources
 from tasks.common import check_columns, config_of, fetch_cached, stage
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import GenerationWorker, generation_worker_kwargs

@@ -27,7 +27,8 @@ import ray
 from flytekit import task
 
 from infra.ray_session import actor_pool, kill_pool, shared_local_ray
-from infra.resources import actor_options_for, ray_job, role_devices, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.common import check_columns, config_of, console, stage
 from tasks.types import RunSpec
 from tasks.workers import RewardWorker

@@ -22,7 +22,8 @@ from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
 from infra.ray_session import actor_pool, shared_local_ray
-from infra.resources import actor_options_for, ray_job, role_devices, task_resources
+from infra.ray_cluster import ray_job
+from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec

@@ -10,17 +10,46 @@ from pathlib import Path
 
 import pytest
 
-from infra.bench import parse_args, ratio, summarise, with_ratios
-from infra.bench_pipeline import iteration_breakdown, mean_breakdown, mode_rows
+from benchmarks.bench import parse_args, summarise, with_ratios
+from benchmarks.bench_pipeline import iteration_breakdown, mean_breakdown, mode_rows
+from benchmarks.harness import ratio
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def declared_commands():
+    """The `flyroll.commands` entry points pyproject.toml declares (what `pip install -e .` registers)."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    group = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["flyroll.commands"]
+    return [EntryPoint(name=k, value=v, group="flyroll.commands") for k, v in group.items()]
 
 
 def test_bench_help_lists_the_options():
-    r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     for opt in ("--models", "--engines", "--batches", "--threads", "--max-new", "--json", "--pipeline", "--reward", "--sync"):
         assert opt in r.stdout
-    top = subprocess.run([sys.executable, "-m", "infra.cli", "--help"], capture_output=True, text=True, timeout=60)
-    assert "bench" in top.stdout
+
+
+def test_flyroll_bench_is_the_command_pyproject_registers(capsys):
+    """infra/ must not import benchmarks/ (a floor above it): `flyroll bench` reaches benchmarks/bench.py
+    through the entry point pyproject.toml declares; infra/cli.py only reads the group."""
+    from benchmarks.bench import cli_main
+    from infra import cli
+
+    registered = declared_commands()
+    assert {ep.name: ep.load() for ep in registered} == {"bench": cli_main}
+    assert cli.main(["--help"], registered=registered) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "bench: flyroll vs TRL GRPOTrainer throughput" in out and "eval: evaluate a policy" in out
+    with pytest.raises(SystemExit) as e:  # dispatched: bench's own parser answers
+        cli.main(["bench", "--help"], registered=registered)
+    assert e.value.code == 0 and "--pipeline" in capsys.readouterr().out
+    assert cli.main(["bench"], registered=[]) == 2  # not registered (an install older than pyproject.toml): said so
+    err = capsys.readouterr().err
+    assert "unknown command 'bench'" in err and "pip install -e ." in err
 
 
 def test_bad_options_are_named():
@@ -43,7 +72,7 @@ def test_flyroll_step_worker_trains_and_syncs_the_engine(tiny_model_dir, sync, m
     way of syncing, the generation engine ends up with exactly the trained weights."""
     import torch
 
-    from infra.bench import problems_for
+    from benchmarks.bench import problems_for
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import flyroll_grpo_step
@@ -255,7 +284,7 @@ def test_gpu_mfu_smoke_runs_on_cpu(capsys):
 def test_box_probe_measures_this_machine(capsys):
     """The real probe (benchmarks/box_probe.py, as `flyroll bench` runs it): numbers a person can
     compare across runs, and a line that says what they are."""
-    from infra.bench import box_probe
+    from benchmarks.harness import box_probe
 
     p = box_probe(1, "start")
     assert p is not None, capsys.readouterr().out
@@ -266,7 +295,7 @@ def test_box_probe_measures_this_machine(capsys):
 
 
 def test_box_probe_failure_is_reported_not_fatal(tmp_path, monkeypatch, capsys):
-    import infra.bench as bench
+    import benchmarks.harness as bench
 
     (tmp_path / "box_probe.py").write_text("import sys\nsys.exit('no numpy here')\n")
     monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)

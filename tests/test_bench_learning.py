@@ -1,4 +1,4 @@
-"""`flyroll bench --learning` (infra/bench_learning.py): its pure parts, the TRL side's reward
+"""`flyroll bench --learning` (benchmarks/bench_learning.py): its pure parts, the TRL side's reward
 (benchmarks/learn_reward.py) against flyroll's, and (slow) a short real flyroll-only run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.bench_learning import (comparison_levels, flyroll_config, level_rows, parse_generators, pick_checkpoints,
+from benchmarks.bench_learning import (comparison_levels, flyroll_config, level_rows, parse_generators, pick_checkpoints,
                                   time_to_accuracy, with_generators)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def test_levels_and_ratios():
 
 
 def test_curve_svg_draws_one_line_per_system():
-    from infra.bench_learning_report import curve_svg
+    from benchmarks.bench_learning_report import curve_svg
 
     svg = curve_svg({"flyroll": [(0, 0.1), (60, 0.3)], "TRL": [(0, 0.1), (30, 0.2), (60, 0.25)]}, 60)
     assert svg.startswith("<svg") and svg.count("<polyline") == 2 and svg.count("<circle") == 5
@@ -154,7 +154,7 @@ def test_learn_reward_equals_flyroll_exact_match():
 def test_reward_rows_follow_flyroll_routing_and_refuse_what_trl_cannot_score():
     import pandas as pd
 
-    from infra.bench_learning import reward_rows
+    from benchmarks.bench_learning import reward_rows
 
     entry = {"question": "1+1?", "answer": "2", "metadata": {}}
     train = pd.DataFrame({"domain": ["reasoning_gym", "arithmetic", "math"], "answer": ["2", "7", "3"],
@@ -188,7 +188,7 @@ def test_stop_token_ids_are_the_tokens_holding_a_stop_string():
 def test_bad_generator_fails_before_anything_runs(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  sources:\n    - kind: reasoning_gym\n      names: [chain_sum]\n")
-    r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--learning", "--config", str(cfg), "--budget-min", "1",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--learning", "--config", str(cfg), "--budget-min", "1",
                         "--no-trl", "--generators", "leg_counting", "no_such_generator"],
                        cwd=str(REPO), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
@@ -199,7 +199,7 @@ def test_bad_generator_fails_before_anything_runs(tmp_path):
 @pytest.mark.slow
 def test_learning_run_flyroll_only(tmp_path):
     out = tmp_path / "learn.json"
-    r = subprocess.run([sys.executable, "-m", "infra.cli", "bench", "--learning", "--config", "tests/configs/learning.yaml",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--learning", "--config", "tests/configs/learning.yaml",
                         "--budget-min", "2", "--no-trl", "--eval-points", "2", "--json", str(out),
                         "--report", str(tmp_path / "learn.html")],
                        cwd=str(REPO), capture_output=True, text=True, timeout=1200,

@@ -56,11 +56,21 @@ def test_auto_follows_a_placement_gpu_request_and_explicit_values_win(monkeypatc
     assert got["reward"] == ("cpu", "float32")
 
 
+def _checked(data: dict):
+    """`data` parsed, then its placement checked as every run's entry point does before any cluster
+    (infra/resources.py check_placement)."""
+    from infra.resources import check_placement
+
+    cfg = parse_config(data)
+    check_placement(cfg)
+    return cfg
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_cuda_without_a_gpu_request_is_refused_naming_the_role(monkeypatch, role):
     monkeypatch.delenv("FLYROLL_PROFILE", raising=False)
     with pytest.raises(ConfigError) as e:
-        parse_config({"placement": {role: {"device": "cuda"}}})
+        _checked({"placement": {role: {"device": "cuda"}}})
     msg = str(e.value)
     fix = "actor_train" if role == "critic" else role  # the critic rides in the actor_train workers
     assert f"placement.{role}.device='cuda'" in msg and f"role '{role}'" in msg
@@ -69,11 +79,33 @@ def test_cuda_without_a_gpu_request_is_refused_naming_the_role(monkeypatch, role
 
 def test_cuda_with_a_gpu_request_is_accepted(monkeypatch):
     monkeypatch.delenv("FLYROLL_PROFILE", raising=False)
-    parse_config({"placement": {"actor_train": {"device": "cuda", "gpu": 1}, "critic": {"device": "cuda"}}})
+    _checked({"placement": {"actor_train": {"device": "cuda", "gpu": 1}, "critic": {"device": "cuda"}}})
     monkeypatch.setenv("FLYROLL_PROFILE", "gpu")
-    parse_config({"placement": {"actor_infer": {"device": "cuda"}}})
+    _checked({"placement": {"actor_infer": {"device": "cuda"}}})
     with pytest.raises(ConfigError, match=r"placement.reward.device='cuda' but role 'reward' requests no GPU under FLYROLL_PROFILE=gpu"):
-        parse_config({"placement": {"reward": {"device": "cuda"}}})
+        _checked({"placement": {"reward": {"device": "cuda"}}})
+
+
+def test_the_run_entry_points_refuse_a_cuda_role_without_a_gpu_before_any_cluster(monkeypatch, tmp_path):
+    """The schema alone accepts it (configs/ knows no profile); the first task of every workflow
+    (tasks/prepare.py prepare_run), `pyflyte package` with FLYROLL_CONFIG and `flyroll eval --config`
+    refuse it before anything starts."""
+    from infra import eval_cli, resources
+    from tasks.prepare import prepare_run
+
+    monkeypatch.delenv("FLYROLL_PROFILE", raising=False)
+    path = tmp_path / "cuda.yaml"
+    path.write_text("placement:\n  reference:\n    device: cuda\n")
+    parse_config({"placement": {"reference": {"device": "cuda"}}})  # no error: compute is not config
+    expected = r"placement.reference.device='cuda' but role 'reference' requests no GPU under FLYROLL_PROFILE=cpu"
+    with pytest.raises(ConfigError, match=expected):
+        prepare_run.task_function(config=str(path), restart=False)
+    monkeypatch.setenv("FLYROLL_CONFIG", str(path))
+    with pytest.raises(ConfigError, match=expected):
+        resources.task_resources("reference")
+    monkeypatch.delenv("FLYROLL_CONFIG")
+    with pytest.raises(eval_cli.EvalError, match=expected):
+        eval_cli.stop_strings(None, str(path))
 
 
 @pytest.mark.parametrize("role", ["actor_train", "critic"])

@@ -1,6 +1,6 @@
 """Every Ray actor a stage task can create fits the Ray cluster declared for that task.
 
-On a cluster each stage task brings up its own Ray cluster (infra/resources.py `ray_job`), and Ray
+On a cluster each stage task brings up its own Ray cluster (infra/ray_cluster.py `ray_job`, sized by infra/resources.py), and Ray
 waits for ever for an actor whose CPUs/GPUs/memory no node of it has (DAPO's refills once created a
 GPU generation actor inside the GPU-less scoring cluster). For each preset in configs/ (and a few
 placements), under FLYROLL_PROFILE=gpu, compiled with FLYROLL_CONFIG=<preset> and without it, the
@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from configs.schema import load_config
+from infra.ray_cluster import ray_job
 from tests.support.workflow import PYFLYTE, REPO, _env
 
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
@@ -111,7 +112,7 @@ def test_every_actor_fits_the_cluster_of_its_task(monkeypatch, tmp_path, preset,
     for stage in STAGES:
         actors = r.task_actors(cfg, stage)
         assert actors, stage
-        assert unplaced(actors, nodes_of_job(r.ray_job(stage))) == [], stage
+        assert unplaced(actors, nodes_of_job(ray_job(stage))) == [], stage
 
 
 # compiled task -> the stage whose ray_job() its decorator uses (tasks/*.py `@task(task_config=ray_job(...))`)

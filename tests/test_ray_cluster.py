@@ -15,7 +15,9 @@ import pytest
 from flytekit import Resources
 from flytekitplugins.ray import HeadNodeConfig, WorkerNodeConfig
 
-from infra.ray_cluster import OWNER_FILE, TEMP_PREFIX, FlyrollRayJobConfig, node_shapes, ray_mode, _users, reap_orphan_clusters, task_cluster
+from infra.ray_cluster import OWNER_FILE, TEMP_PREFIX, node_shapes, _users, reap_orphan_clusters, task_cluster
+from infra.ray_session import ray_mode
+from infra.resources import FlyrollRayJobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

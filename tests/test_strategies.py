@@ -275,12 +275,13 @@ def test_strategy_config_errors_name_the_field():
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_default_placement_keeps_the_profile(monkeypatch, profile):
     from infra import resources as r
+    from infra.ray_cluster import ray_job
 
     monkeypatch.setenv("FLYROLL_PROFILE", profile)
     cfg = parse_config({})
     for role, (task, _) in r.HOSTS.items():
         assert r.task_resources_for(cfg, task) == r.task_resources(task)
-        assert r.ray_job_for(cfg, task) == r.ray_job(task)
+        assert r.ray_job_for(cfg, task) == ray_job(task)
         for local in (True, False):
             assert r.actor_options_for(cfg, role, local) == r.actor_options(task, local)
     plan = r.placement_plan(cfg)
@@ -349,12 +350,13 @@ def test_packaged_config_compiles_placement_into_task_resources(monkeypatch, tmp
     from flytekit import Resources
 
     from infra import resources as r
+    from infra.ray_cluster import ray_job
 
     path = tmp_path / "p.yaml"
     path.write_text("training: {strategy: ddp, num_workers: 2}\nplacement: {actor_train: {cpu: 3, memory: 7Gi}}\n")
     monkeypatch.setenv("FLYROLL_CONFIG", str(path))
     assert r.task_resources("training")["requests"] == Resources(cpu="3", mem="7Gi")
-    assert r.ray_job("training").worker_node_config[0].replicas == 1
+    assert ray_job("training").worker_node_config[0].replicas == 1
     assert r.task_resources("weight_sync") == r._profile_task_resources("weight_sync")  # hosts no role
 
 

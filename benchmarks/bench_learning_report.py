@@ -1,6 +1,6 @@
 """`flyroll bench --learning`'s evaluation of the checkpoints and its report (tables, plot).
 
-The driver is infra/bench_learning.py; its module docstring says what is compared.
+The driver is benchmarks/bench_learning.py; its module docstring says what is compared.
 """
 
 from __future__ import annotations

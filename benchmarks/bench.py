@@ -3,7 +3,7 @@
     flyroll bench                                        # tiny + SmolLM2, hf + vllm engines, TRL
     flyroll bench --models tiny --engines hf --batches 2 --json /tmp/bench.json
     flyroll bench --pipeline 4                           # + the Flyte pipeline's per-stage breakdown
-    flyroll bench --learning --config C.yaml --budget-min 30   # accuracy vs wall time (infra/bench_learning.py)
+    flyroll bench --learning --config C.yaml --budget-min 30   # accuracy vs wall time (benchmarks/bench_learning.py)
 
 What runs (docs/benchmarks.md has the full story and the results):
 - Per model (`tiny`: the default policy's shape, random init; `smollm2`: SmolLM2-135M-Instruct from
@@ -25,7 +25,7 @@ What runs (docs/benchmarks.md has the full story and the results):
 - `--pipeline N`: the real workflow (`pyflyte run workflows/rlvr.py rlvr`) for N iterations of the
   same batch, once per local Ray mode of `--pipeline-modes` (shared, per-task, fused), and its
   per-stage timings from MLflow, with orchestration and Ray cluster start per mode side by side
-  (infra/bench_pipeline.py).
+  (benchmarks/bench_pipeline.py).
 
 Before and after the comparison, benchmarks/box_probe.py measures the machine as it is then (GEMM
 rate, memory bandwidth, page-fault cost): a shared VM's speed drifts over a day, and not alike for
@@ -44,13 +44,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO / "benchmarks"
-TRL_REQUIREMENTS = ("torch==2.13.0", "trl==1.16.0")  # trl pulls transformers, accelerate, datasets
-TRL_SYSTEM = "TRL 1.16 GRPOTrainer"
+from benchmarks.bench_learning import cli_main as learning_main
+from benchmarks.bench_pipeline import print_pipeline, run_pipeline
+from benchmarks.harness import BENCH_DIR, REPO, TRL_SYSTEM, _version, box_probe, ensure_trl_venv, fmt, ratio
+
 STEP_PARTS = ("gen_s", "score_s", "train_s", "sync_s")
 
 
@@ -72,13 +71,6 @@ def summarise(steps: list[dict]) -> dict:
     if all("trained_rows" in s for s in steps):  # flyroll: rows its update ran (zero-advantage rows skipped)
         out["trained_rows"] = sum(s["trained_rows"] for s in steps) / len(steps)
     return out
-
-
-def ratio(value: float | None, baseline: float | None) -> float | None:
-    """value / baseline, None when either is missing or the baseline is 0."""
-    if value is None or not baseline:
-        return None
-    return value / baseline
 
 
 def step_ratios(steps: list[dict], baseline_steps: list[dict]) -> list[float]:
@@ -107,52 +99,7 @@ def with_ratios(rows: list[dict], baseline_system: str = TRL_SYSTEM) -> list[dic
     return out
 
 
-def box_probe(threads: int, when: str) -> dict | None:
-    """benchmarks/box_probe.py in a child process (compute rate, memory bandwidth, page-fault cost
-    right now); its line is printed, its numbers returned (None when it failed: printed, not fatal)."""
-    r = subprocess.run([sys.executable, str(BENCH_DIR / "box_probe.py"), "--threads", str(threads)],
-                       capture_output=True, text=True, timeout=300)
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        print(f"box probe ({when}) failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}", flush=True)
-        return None
-    print(f"box ({when}): {(r.stderr.strip().splitlines() or ['(the probe printed no summary line)'])[-1]}", flush=True)
-    return json.loads(lines[-1])
-
-
-def fmt(x, spec: str = ".1f", suffix: str = "") -> str:
-    return "—" if x is None else format(x, spec) + suffix
-
-
 # ---- environments --------------------------------------------------------------------------------------
-
-def _version(python: Path, module: str) -> str | None:
-    """`module.__version__` as `python` imports it, or None (the reason is printed)."""
-    if not python.exists():
-        return None
-    r = subprocess.run([str(python), "-c", f"import {module}; print({module}.__version__)"], capture_output=True, text=True)
-    if r.returncode == 0 and r.stdout.strip():
-        return r.stdout.strip().splitlines()[-1]
-    print(f"{python}: `import {module}` failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
-    return None
-
-
-def ensure_trl_venv(venv: Path) -> Path:
-    """TRL's own environment (python -m venv + pip install torch trl), created once; returns its python."""
-    python = venv / "bin" / "python"
-    if _version(python, "trl") == TRL_REQUIREMENTS[1].split("==")[1]:
-        print(f"TRL environment: {venv} (trl {TRL_REQUIREMENTS[1].split('==')[1]}, reused)", flush=True)
-        return python
-    t0 = time.time()
-    print(f"TRL environment: creating {venv} (python -m venv; pip install {' '.join(TRL_REQUIREMENTS)}) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "--progress-bar", "off", *TRL_REQUIREMENTS], check=True)
-    found = _version(python, "trl")
-    if found is None:
-        raise RuntimeError(f"{venv}: `import trl` fails after installing {TRL_REQUIREMENTS}")
-    print(f"TRL environment: {venv} ready in {time.time() - t0:.0f} s (trl {found})", flush=True)
-    return python
-
 
 def vllm_python(venv: Path, setup: bool) -> Path | None:
     """The vLLM venv's python, or None (with a note) when it is missing and not to be set up."""
@@ -185,7 +132,7 @@ def prepare_model(name: str, root: str) -> tuple[str, bool]:
 
 
 def prepare_model_in_child(name: str, root: str) -> tuple[str, bool]:
-    code = f"import json; from infra.bench import prepare_model; print(json.dumps(prepare_model({name!r}, {root!r})))"
+    code = f"import json; from benchmarks.bench import prepare_model; print(json.dumps(prepare_model({name!r}, {root!r})))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     if r.returncode:
@@ -371,7 +318,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "orchestration and Ray start side by side")
     ap.add_argument("--learning", action="store_true",
                     help="instead: flyroll vs TRL trained for the same wall-clock budget, accuracy vs time (its options: "
-                         "flyroll bench --learning --help; infra/bench_learning.py)")
+                         "flyroll bench --learning --help; benchmarks/bench_learning.py)")
     ap.add_argument("--json", default=None, help="write all results (per-step timings too) here")
     ap.add_argument("--keep-workdir", action="store_true",
                     help="keep the temporary folder (models, worker logs, pipeline runs); kept anyway when something failed")
@@ -391,9 +338,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def cli_main(argv: list[str]) -> int:
-    if "--learning" in argv:  # accuracy vs wall time, flyroll vs TRL: its own options (infra/bench_learning.py)
-        from infra.bench_learning import cli_main as learning_main
-
+    """flyroll vs TRL GRPOTrainer throughput, side by side, and the pipeline's stage breakdown; --learning: accuracy vs wall time"""
+    if "--learning" in argv:  # accuracy vs wall time, flyroll vs TRL: its own options (benchmarks/bench_learning.py)
         return learning_main([a for a in argv if a != "--learning"])
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the workers are closed
@@ -449,8 +395,6 @@ def cli_main(argv: list[str]) -> int:
         print_comparison(rows, args)
 
     if args.pipeline:
-        from infra.bench_pipeline import print_pipeline, run_pipeline
-
         for name in args.pipeline_models.split(","):
             for eng in args.pipeline_engines.split(","):
                 if eng == "vllm" and "vllm" not in pythons:
@@ -469,3 +413,7 @@ def cli_main(argv: list[str]) -> int:
     else:
         shutil.rmtree(workdir, ignore_errors=True)  # models and pipeline stores: GBs for SmolLM2
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.bench ARGS: `flyroll bench ARGS` without the installed command
+    sys.exit(cli_main(sys.argv[1:]))

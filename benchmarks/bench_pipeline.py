@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness import REPO, TRL_SYSTEM, fmt, ratio
+
 STAGES = ("rollout", "scoring", "reference", "training", "weight_sync")
 # --pipeline-modes: mode -> (FLYROLL_RAY, fused, pipeline.off_policy_steps). `fused` runs every
 # iteration in one task (loop.fuse: N) on the per-task cluster shape, so it is compared with
@@ -211,8 +212,6 @@ def run_pipeline(name: str, model_dir: str, chat: bool, engine: str, args, workd
 def print_pipeline(results: list[dict], comparison: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from infra.bench import TRL_SYSTEM, fmt, ratio
 
     trl = {r["model"]: r.get("samples_per_s") for r in comparison if r["system"] == TRL_SYSTEM}
     t = Table(title="Flyte pipeline (pyflyte run workflows/rlvr.py rlvr): mean seconds per iteration (share of the "

@@ -56,8 +56,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO / "benchmarks"
+from benchmarks.bench_learning_report import evaluate_points, print_tables, report_html
+from benchmarks.bench_pipeline import workflow_command
+from benchmarks.harness import BENCH_DIR, REPO, _version, box_probe, ensure_trl_venv
+
 
 
 # ---- pure functions (tests/test_bench_learning.py) -----------------------------------------------------
@@ -228,7 +230,6 @@ def run_flyroll(cfg: dict, budget_s: float, threads: int, root: str) -> dict:
     """The workflow under `cfg` for `budget_s` seconds; its published policy versions with their times."""
     from datetime import datetime
 
-    from infra.bench_pipeline import workflow_command
     from infra.store import ArtifactStore
 
     cmd, env = workflow_command(cfg, root, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
@@ -312,6 +313,7 @@ def load_raw_config(path: str, generators: list[str] | None) -> dict:
     import yaml
 
     from configs.schema import parse_config
+    from infra.resources import check_placement
 
     if not os.path.isfile(path):
         raise ValueError(f"--config {path!r}: no such file (expected a flyroll YAML config)")
@@ -325,15 +327,13 @@ def load_raw_config(path: str, generators: list[str] | None) -> dict:
         import reasoning_gym
 
         raw = with_generators(raw, *parse_generators(generators, reasoning_gym.factory.DATASETS))
-    parse_config(raw, path)  # ConfigError (a ValueError) naming the field
+    check_placement(parse_config(raw, path))  # ConfigError (a ValueError) naming the field
     return raw
 
 
 def ensure_trl_python(venv: Path) -> str:
-    """`.venv-trl`'s python (infra/bench.py ensure_trl_venv) with this environment's reasoning-gym added."""
+    """`.venv-trl`'s python (benchmarks/bench.py ensure_trl_venv) with this environment's reasoning-gym added."""
     from importlib.metadata import version
-
-    from infra.bench import _version, ensure_trl_venv
 
     python = ensure_trl_venv(venv)
     want = version("reasoning_gym")
@@ -350,8 +350,6 @@ def cli_main(argv: list[str]) -> int:
     import yaml
 
     from configs.schema import parse_config
-    from infra.bench import box_probe
-    from infra.bench_learning_report import evaluate_points, print_tables, report_html
 
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the child runs are stopped
