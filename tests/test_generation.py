@@ -1,80 +1,32 @@
-"""Engines on a tiny char-level Qwen2 built in the test (seconds on one CPU thread): tokenizer and
-checkpoints, generation and weight updates, supervised bootstrap and evaluation (reward isolation:
-tests/test_reward_isolation.py; the synthetic tasks: tests/test_synthetic.py; batching:
-tests/test_batching.py; the training step: tests/test_training_engine.py)."""
+"""Unit tests of the HF generation engine (engines/generation.py): layout, sampling, stop strings,
+in-memory weight updates, on a tiny char-level Qwen2 built in the test
+(seconds on one CPU thread)."""
 
 from __future__ import annotations
 
 import copy
 
-import pandas as pd
 import pytest
 import torch
 
 from engines.batching import batched_logprobs, collate
-from engines.evaluation import evaluate
-from engines.generation import (Completion, HFGenerationEngine, InverseCDFSampler, SamplingParams, mkl_packing_available,
-                                sampling_processors)
-from engines.modeling import (CHARSET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_policy, encode_prompts, load_policy,
-                              save_policy)
-from engines.pretrain import supervised_finetune
-from engines.synthetic import make_problems
+from engines.generation import (
+    HFGenerationEngine,
+    InverseCDFSampler,
+    SamplingParams,
+    mkl_packing_available,
+    sampling_processors,
+)
+from engines.modeling import (
+    build_tiny_policy,
+    save_policy,
+)
 from tests.support.engines import PROMPTS, encode
 
 torch.set_num_threads(1)
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=128)  # as the `tiny_policy` fixture
 
-
-# ================================================================================================
-# tokenizer and checkpoints
-# ================================================================================================
-
-def test_tokenizer_round_trips_every_char():
-    tok = build_char_tokenizer()
-    ids = tok(CHARSET, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(CHARSET)                     # one token per character
-    assert len(set(ids)) == len(CHARSET)                # distinct characters, distinct tokens
-    assert tok.unk_token_id not in ids
-    assert tok.decode(ids) == CHARSET
-    for ch in CHARSET:
-        (i,) = tok(ch, add_special_tokens=False)["input_ids"]
-        assert tok.decode([i]) == ch
-    assert len(tok) == len(SPECIAL_TOKENS) + len(CHARSET)
-    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == CHARSET
-    assert tok("A", add_special_tokens=False)["input_ids"] == [tok.unk_token_id]  # not in the charset
-
-
-def test_save_load_gives_identical_logits(tiny_policy, tiny_model_dir):
-    model, tok = tiny_policy
-    loaded, tok2 = load_policy(tiny_model_dir)
-    assert tok2.padding_side == "left"
-    assert tok2.pad_token_id == tok.pad_token_id and tok2.eos_token_id == tok.eos_token_id
-    ids = torch.tensor([encode(tok, ["9-3+4-1=rev abc"])[0]])
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)
-    assert tok2.decode(ids[0].tolist()) == "9-3+4-1=rev abc"
-
-
-def test_reloaded_tokenizer_encodes_like_the_original(tiny_model_dir):
-    """BUG (engines/modeling.py, load_policy): for a Qwen2 config, transformers 5's AutoTokenizer
-    ignores tokenizer_config's `TokenizersBackend` and builds a `Qwen2Tokenizer` (byte-level regex
-    pre-tokenizer + NFC) around the char vocabulary, so every checkpoint round trip silently drops
-    ' ' and '\n' from encoded text ("rev abc=" -> "revabc=")."""
-    tok = build_char_tokenizer()
-    _, tok2 = load_policy(tiny_model_dir)
-    assert encode(tok2, [CHARSET, *PROMPTS, "a\nb c"]) == encode(tok, [CHARSET, *PROMPTS, "a\nb c"])
-
-
-def test_load_policy_missing_dir_names_the_path(tmp_path):
-    missing = str(tmp_path / "no_such_model")
-    with pytest.raises(FileNotFoundError, match="no_such_model"):
-        load_policy(missing)
-
-
-# ================================================================================================
-# generation
-# ================================================================================================
 
 def test_generate_layout_and_finish_reasons(tiny_policy):
     model, tok = tiny_policy
@@ -350,129 +302,3 @@ def test_load_weights_of_another_architecture_is_refused(tiny_policy, tmp_path):
     save_policy(shallow, tok, str(tmp_path / "shallow"))
     with pytest.raises(ValueError, match="do not match"):
         HFGenerationEngine(copy.deepcopy(model), tok).load_weights(str(tmp_path / "shallow"))
-
-
-# ================================================================================================
-# supervised bootstrap
-# ================================================================================================
-
-def test_supervised_finetune_lowers_the_loss():
-    model, tok = build_tiny_policy(**TINY, seed=1)
-    probs = make_problems("bootstrap", 32)
-    losses = []
-    m = supervised_finetune(model, tok, [(p.prompt, p.answer) for p in probs], steps=30, batch_size=16,
-                            lr=3e-3, on_step=lambda step, loss: losses.append(loss))
-    assert len(losses) == 30
-    assert losses[0] > 3.0  # ~ln(54) for a random model
-    assert sum(losses[-5:]) / 5 < 0.75 * losses[0]
-    assert m["bootstrap/steps"] == 30.0 and m["bootstrap/loss"] < losses[0]
-    assert not model.training
-
-
-def test_supervised_finetune_trains_only_the_marked_segments():
-    """A response given as (text, trained) segments: as a string when every segment is trained; an
-    untrained segment's tokens carry no loss (what it says cannot change the update), a trained one's do.
-    solved_episodes(segments=True) marks exactly the actions and joins to the same text."""
-    from engines.env_manager import solved_episodes
-
-    def trained(pairs):
-        model, tok = build_tiny_policy(**TINY, seed=1)
-        supervised_finetune(model, tok, pairs, steps=3, batch_size=2, lr=1e-2, seed=0)
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-    p = "frozenlake: walk p to g.\nmove: "
-    assert torch.equal(trained([(p, "down\n....\nmove: up\n")]),
-                       trained([(p, [("down\n", True), ("....\nmove: ", True), ("up\n", True)])]))
-    quiet = [trained([(p, [("down\n", True), (reply, False)])]) for reply in ("p...\nmove: ", "o.g.\nmove: ")]
-    assert torch.equal(*quiet)
-    loud = [trained([(p, [("down\n", True), (reply, True)])]) for reply in ("p...\nmove: ", "o.g.\nmove: ")]
-    assert not torch.equal(*loud)
-
-    plain = solved_episodes("frozenlake", list(range(6)), max_turns=10, env_kwargs={"neighbours": True}, habit_rate=0.5)
-    split = solved_episodes("frozenlake", list(range(6)), max_turns=10, env_kwargs={"neighbours": True}, habit_rate=0.5,
-                            segments=True)
-    assert [(q, "".join(t for t, _ in segs)) for q, segs in split] == plain
-    for _, segs in split:
-        assert [t.strip() in ("left", "down", "right", "up") for t, _ in segs] == [a for _, a in segs]
-        assert segs[-1][1]                                                   # ends on an action
-
-
-# ================================================================================================
-# evaluation
-# ================================================================================================
-
-class ScriptedEngine:
-    """A GenerationEngine that answers arithmetic correctly and reverse wrongly, in reverse order."""
-
-    def __init__(self, table):
-        self.table = table
-
-    def generate(self, prompt_token_ids, params):
-        assert params.temperature == 0.0 and params.n == 1
-        out = []
-        for i in reversed(range(len(prompt_token_ids))):
-            row = self.table.iloc[i]
-            text = f"{row['answer']}\n" if row["domain"] == "arithmetic" else "zzz"
-            out.append(Completion(i, 0, [3] * len(text), [0.0] * len(text), "stop", text))
-        return out
-
-    def load_weights(self, model_dir):
-        raise NotImplementedError
-
-
-def eval_table(n: int = 6) -> pd.DataFrame:
-    return pd.DataFrame([{"prompt": p.prompt, "domain": p.domain, "answer": p.answer} for p in make_problems("eval", n)])
-
-
-def test_evaluate_scores_per_domain(tiny_policy):
-    _, tok = tiny_policy
-    table = eval_table(6)
-    metrics, rows = evaluate(ScriptedEngine(table), tok, table, max_new_tokens=8)
-    assert metrics["accuracy/arithmetic"] == 1.0 and metrics["accuracy/reverse"] == 0.0
-    assert metrics["accuracy"] == 0.5
-    assert len(rows) == 6 and rows["prompt"].tolist() == table["prompt"].tolist()  # back in table order
-    assert rows["reward"].tolist() == [1.0, 0.0] * 3
-    assert {"response", "reward", "response_length", "domain", "answer"} <= set(rows.columns)
-
-
-def test_evaluate_with_the_hf_engine(tiny_policy):
-    model, tok = tiny_policy
-    table = eval_table(4)
-    metrics, rows = evaluate(HFGenerationEngine(model, tok), tok, table, max_new_tokens=4)
-    assert set(metrics) == {"accuracy", "length", "accuracy/arithmetic", "accuracy/reverse", "reward", "reward/arithmetic", "reward/reverse"}
-    assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k.startswith(("accuracy", "reward")))
-    assert 1 <= metrics["length"] <= 4
-    assert len(rows) == 4 and set(rows["reward"]) <= {0.0, 1.0}
-    assert encode_prompts(tok, ["1+2="]) == encode(tok, ["1+2="])
-
-
-# ================================================================================================
-# engine processes
-# ================================================================================================
-_MMAPPED_BYTES = """
-import ctypes, sys, torch
-from engines.host_memory import keep_freed_memory
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MallInfo2
-kept = keep_freed_memory() if sys.argv[1] == "keep" else None
-x = torch.ones(64 * 2**20 // 4)           # a 64 MiB tensor: above glibc's largest mmap threshold
-print(kept, libc.mallinfo2().hblkhd)      # bytes held in mmap'd blocks
-"""
-
-
-@pytest.mark.parametrize("mode", ["keep", "default"])
-def test_engine_processes_serve_large_tensors_from_the_heap(mode):
-    """With keep_freed_memory() a 64 MiB tensor comes from the heap (reused after free), not a
-    fresh mmap (unmapped on free and faulted in again next time) as with glibc's defaults."""
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", _MMAPPED_BYTES, mode], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    kept, mmapped = r.stdout.split()[-2:]
-    if mode == "keep":
-        assert kept == "True" and int(mmapped) < 64 * 2**20
-    else:
-        assert int(mmapped) >= 64 * 2**20
-
