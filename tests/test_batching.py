@@ -1,6 +1,6 @@
 """`engines/batching.py` on a tiny char-level Qwen2 (seconds on one CPU thread): the batch layout
 (`collate`), per-token log-probs that ignore padding, and the fused log-probs + entropy against
-log_softmax (moved out of tests/test_training_engine.py)."""
+log_softmax (moved out of the training engine's tests, tests/test_training.py)."""
 
 from __future__ import annotations
 

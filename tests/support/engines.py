@@ -1,5 +1,5 @@
 """The tiny policy's inputs and parameters (tests/test_generation.py, tests/test_modeling.py, tests/test_batching.py,
-tests/test_training_engine.py, tests/test_lora.py, tests/test_devices.py): prompts, their token ids,
+tests/test_training.py, tests/test_lora.py, tests/test_devices.py): prompts, their token ids,
 a copy of the parameters, a rollout-like batch for the training step."""
 
 from __future__ import annotations
