@@ -13,18 +13,21 @@ Everything here is plain PyTorch.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 
-from configs.algorithm import AlgorithmConfig
 from engines.algorithms.aggregate import masked_mean
 from engines.algorithms.normalize import RunningStats
 from engines.algorithms.objective import apply_kl_penalty, compute_advantages, make_kl_controller, shape_rewards
 from engines.algorithms.registry import get_kl
 from engines.batching import TokenBatch, collate
+
+if typing.TYPE_CHECKING:  # annotations only: the engine runs without pydantic (a GPU box may not have it)
+    from configs.algorithm import AlgorithmConfig
 
 
 def _as_list(x) -> list:
