@@ -120,7 +120,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
     "off". Compiling is in place. `prompt_share`: the prompt's part of each sequence's tokens."""
     import torch
 
-    from benchmarks.gpu_rl_check import algorithm  # plain values: no pydantic on the GPU box
+    from benchmarks.engine_settings import algorithm  # plain values: no pydantic on the GPU box
     from engines.batching import TokenBatch
     from engines.devices import mixed_precision
     from engines.training import TorchTrainEngine

@@ -33,8 +33,8 @@ phase's optional rows when they would eat the later phases' share; a phase runni
 its estimate is interrupted (SIGALRM). Exit status 1 when a phase failed, 0 otherwise.
 
 Two things are meant to be switched in one place each after the engine API changes: the batch the
-training engine takes (`_train_batch`) and the algorithm settings (`ALGORITHM`, plain values, the
-default preset's; tests/test_gpu_check.py checks them against configs/algorithm.py).
+training engine takes (`_train_batch`) and the algorithm settings (benchmarks/engine_settings.py,
+plain values, the default preset's; tests/test_gpu_check.py checks them against configs/tiny.yaml).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import contextlib
 import copy
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -52,47 +53,27 @@ import socket
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.gpu_mfu import QWEN25_05B, _IdTokenizer, build_model, generation_row, matmul_tflops, n_params, peak_tflops, time_steps, uncompile  # noqa: E402
-
-# --- the one place for the algorithm's settings --------------------------------------------------
-# configs/algorithm.py's defaults with configs/tiny.yaml's `algorithm:` section over them (GRPO,
-# PPO-clip, k3 KL loss with beta 0.001). Plain values: no pydantic on the GPU box. After the move of
-# the config to engines/algorithms/config.py, `algorithm()` may build that class instead.
-ALGORITHM = {
-    "advantage": "grpo", "norm_adv_by_std": True, "gamma": 1.0, "lam": 1.0, "reinforce_baseline": "batch",
-    "reinforce_ema_decay": 0.9, "whiten_advantages": False, "adv_clip": None, "gigpo_step_weight": 1.0,
-    "policy_loss": "ppo_clip", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None,
-    "loss_agg_mode": "token-mean", "loss_scale_factor": None, "tis_cap": None, "tis_level": "token",
-    "old_logprobs": "auto", "ppo_epochs": 1, "cliprange_value": 0.5, "critic_lr": 0.001, "critic_warmup_iterations": 0,
-    "kl_estimator": "k3", "kl_coef": 0.001, "use_kl_loss": True, "kl_ctrl": "fixed", "kl_target": 0.1,
-    "kl_horizon": 10000, "entropy_coef": 0.0, "skip_zero_advantage": True, "reward_norm": "none", "reward_clip": None,
-    "overlong_buffer_len": 0, "overlong_max_len": None, "overlong_penalty_factor": 1.0, "mask_truncated": False,
-    "difficulty_low": 0.0, "difficulty_high": 1.0, "filter_groups": False, "max_generation_rounds": 4,
-}
-# configs/tiny.yaml (the default preset) and configs/schema.py's defaults for what it leaves out
-PRESET = {
-    "bootstrap": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "max_positions": 256, "steps": 1500,
-                  "batch_size": 64, "lr": 3e-3, "num_examples": 40000, "teacher_accuracy": 0.4},
-    "rollout": {"prompts_per_iteration": 64, "samples_per_prompt": 8, "temperature": 1.0, "max_new_tokens": 12},
-    "training": {"lr": 5e-4, "mini_batch_size": 256, "max_tokens_per_micro_batch": 8192, "weight_decay": 0.0,
-                 "grad_clip": 1.0},
-    "loop": {"iterations": 20, "eval_every": 5},
-    "eval_size": 256,
-    "seed": 0,
-}
-SMOKE_PRESET = {**PRESET, "bootstrap": {**PRESET["bootstrap"], "steps": 40, "batch_size": 32, "num_examples": 2000},
-                "rollout": {**PRESET["rollout"], "prompts_per_iteration": 8, "samples_per_prompt": 4},
-                "training": {**PRESET["training"], "mini_batch_size": 16},
-                "loop": {"iterations": 2, "eval_every": 1}, "eval_size": 16}
+# the algorithm's settings and the default preset's numbers: plain values, in one module
+from benchmarks.engine_settings import ALGORITHM, PRESET, SMOKE_PRESET, algorithm
+from benchmarks.gpu_mfu import (
+    QWEN25_05B,
+    _IdTokenizer,
+    build_model,
+    generation_row,
+    matmul_tflops,
+    n_params,
+    peak_tflops,
+    time_steps,
+    uncompile,
+)
 
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
@@ -107,14 +88,6 @@ PHASES = ("env", "learn", "mfu", "gen", "rl_step", "sync", "strategies", "lora")
 # estimated seconds per phase on an H200 (cuda) and on 2 CPU cores at 1 thread in --smoke
 ESTIMATE_S = {"cuda": {"env": 10, "learn": 90, "mfu": 130, "gen": 60, "rl_step": 40, "sync": 20, "strategies": 25, "lora": 25},
               "smoke": {"env": 2, "learn": 40, "mfu": 10, "gen": 5, "rl_step": 8, "sync": 3, "strategies": 8, "lora": 5}}
-
-
-def algorithm(**overrides) -> types.SimpleNamespace:
-    """What the training engine and engines/rl_step.py read as `cfg` (attribute access only)."""
-    unknown = set(overrides) - set(ALGORITHM)
-    if unknown:
-        raise ValueError(f"unknown algorithm settings {sorted(unknown)}")
-    return types.SimpleNamespace(**{**ALGORITHM, **overrides})
 
 
 # --- the one place rows become the training engine's input ----------------------------------------
@@ -268,7 +241,11 @@ def phase_learn(ctx: Ctx) -> dict:
     from engines.modeling import build_tiny_policy
     from engines.pretrain import supervised_finetune
     from engines.rl_step import AlgorithmState
-    from engines.synthetic import exact_match_reward, make_problems, teacher_demonstration
+    from engines.synthetic import (
+        exact_match_reward,
+        make_problems,
+        teacher_demonstration,
+    )
     from engines.training import TorchTrainEngine
 
     P, dev = ctx.preset, ctx.device
@@ -458,15 +435,16 @@ def phase_rl_step(ctx: Ctx) -> dict:
     batch, token, upd = stage("old_and_ref_logprobs_s", lambda: _train_batch(
         rows, 0, cfg, None, {"old_logprobs": lambda bt: batched_logprobs(generator.model, bt, micro_batch=32),
                              "ref_logprobs": lambda bt: batched_logprobs(reference, bt, micro_batch=32)}))
-    with torch.no_grad():  # the trainer's own forward (fp32 master, bf16 autocast) on the same batch
-        sub = batch.to(dev)
-        trainer_lp = response_logprobs(trainer_model, sub, autocast_dtype=torch.bfloat16)[0].cpu() * batch.response_mask
+    with torch.no_grad():  # the trainer's own forward (fp32 master, bf16 autocast) on the same batch, 32 rows at a time
+        trainer_lp = torch.cat([response_logprobs(trainer_model, batch.select(slice(i, i + 32)).to(dev),
+                                                  autocast_dtype=torch.bfloat16)[0].cpu()
+                                for i in range(0, len(rows), 32)]) * batch.response_mask
     m = stage("update_s", lambda: trainer.train_step(batch, upd.advantages, token["old_logprobs"], token["ref_logprobs"], cfg,
                                                       mini_batch_size=len(rows), max_tokens_per_micro_batch=16384,
                                                       rollout_logprobs=token["behaviour_logprobs"], kl_coef=upd.kl_coef))
     stage("sync_s", lambda: generator.update_weights(trainer_model.named_parameters(), source="the trainer"))
     mask = batch.response_mask
-    gap = lambda a, b: {"mean_abs": round(float(((a - b).abs() * mask).sum() / mask.sum()), 6),  # noqa: E731
+    gap = lambda a, b: {"mean_abs": round(float(((a - b).abs() * mask).sum() / mask.sum()), 6),
                         "max_abs": round(float(((a - b).abs() * mask).max()), 6)}
     adam = [s["exp_avg"].dtype for s in trainer.optimizer.state.values()] + [s["exp_avg_sq"].dtype for s in trainer.optimizer.state.values()]
     dtypes = {"trainer_params": sorted({str(p.dtype) for p in trainer_model.parameters()}),
@@ -634,7 +612,7 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, float):
-        return x if x == x and abs(x) != float("inf") else str(x)
+        return x if math.isfinite(x) else str(x)
     if isinstance(x, (int, str, bool)) or x is None:
         return x
     return str(x)
@@ -708,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with _alarm(min(left, 3 * est) if not args.smoke else 0):
                     res = {"result": RUNNERS[name](ctx)}
-            except BaseException as e:  # noqa: BLE001 - a phase's failure is recorded, the next one runs
+            except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 traceback.print_exc()

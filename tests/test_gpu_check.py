@@ -142,7 +142,7 @@ def test_rl_check_phases_subset_budget_and_arguments(tmp_path):
 def test_rl_check_settings_are_the_default_presets():
     """The script's plain algorithm values and preset numbers are configs/tiny.yaml's, as loaded by the
     config schema (which the GPU box cannot import): a changed default fails here."""
-    from benchmarks.gpu_rl_check import ALGORITHM, PRESET, algorithm
+    from benchmarks.engine_settings import ALGORITHM, PRESET, algorithm
     from configs.schema import load_config
 
     cfg = load_config(str(REPO / "configs/tiny.yaml"))
