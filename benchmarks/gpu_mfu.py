@@ -37,6 +37,10 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: the repository's packages
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -116,7 +120,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
     "off". Compiling is in place. `prompt_share`: the prompt's part of each sequence's tokens."""
     import torch
 
-    from engines.algorithms.config import AlgorithmConfig
+    from benchmarks.engine_settings import algorithm  # plain values: no pydantic on the GPU box
     from engines.batching import TokenBatch
     from engines.devices import mixed_precision
     from engines.training import TorchTrainEngine
@@ -136,7 +140,7 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
                            torch.ones(B, T))
         adv = torch.randn(B, T, generator=g)                 # [B, T]
         old = -torch.rand(B, T, generator=g) * 10            # [B, T]
-        cfg = AlgorithmConfig(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
+        cfg = algorithm(advantage="grpo", use_kl_loss=False, kl_coef=0.0)
         if compile == "mlp":
             for layer in model.get_decoder().layers:
                 for n, child in layer.named_children():

@@ -1,8 +1,10 @@
 """Where a role's model lives and in which dtype: the one helper every engine actor goes through.
 
 The config (`placement.<role>.device` / `.dtype`, configs/schema.py) is resolved per role by
-`infra.resources.placement_plan` into plain strings ("cpu" / "cuda", "float32" / "bfloat16" /
-"float16"); the actors in tasks/workers.py hand those strings here.
+`resolve_device` (here, so a machine without flytekit can print a role's placement;
+`infra.resources.placement_plan` calls it with the GPUs the role's worker requests) into plain
+strings ("cpu" / "cuda", "float32" / "bfloat16" / "float16"); the actors in tasks/workers.py hand
+those strings here.
 
 Two ways a dtype is used:
 - **inference roles** (actor_infer, reference, reward): the weights are cast to the dtype
@@ -24,6 +26,16 @@ import contextlib
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str, dtype: str, gpus: float) -> tuple[str, str]:
+    """A role's (device, dtype) from its config values and the GPUs its worker requests: device
+    'auto' = 'cuda' when `gpus` > 0, else 'cpu'; dtype 'auto' = 'bfloat16' on cuda, 'float32' on cpu."""
+    if device == "auto":
+        device = "cuda" if gpus > 0 else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -46,11 +46,12 @@ def supervised_finetune(
     encoded = [(tokenizer(p, add_special_tokens=False)["input_ids"], *encode(r)) for p, r in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    device = next(model.parameters()).device  # the batches are built on CPU; a CUDA model needs them moved
     model.train()
     t0, loss_ema = time.perf_counter(), None
     for step in range(steps):
         rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        batch = collate([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_token_id, [r[2] for r in rows])
+        batch = collate([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_token_id, [r[2] for r in rows]).to(device)
         logp, _ = response_logprobs(model, batch)
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad(set_to_none=True)

@@ -11,12 +11,12 @@ which the trainer keeps and checkpoints. `train_update` runs the whole update on
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from engines.algorithms.aggregate import masked_mean
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.normalize import RunningStats
 from engines.algorithms.objective import (
     apply_kl_penalty,
@@ -26,6 +26,9 @@ from engines.algorithms.objective import (
 )
 from engines.algorithms.registry import get_kl
 from engines.rollout_batch import RolloutBatch
+
+if typing.TYPE_CHECKING:  # annotations only: the engine runs without pydantic (a GPU box may not have it)
+    from engines.algorithms.config import AlgorithmConfig
 
 
 @dataclass

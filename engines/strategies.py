@@ -214,9 +214,20 @@ class DDPStrategy(_Distributed):
 
 class FSDP2Strategy(_Distributed):
     """torch `fully_shard` (FSDP2): each transformer block (the model's `_no_split_modules`) and the
-    root are sharded over the ranks; gradients are reduce-scattered in every backward."""
+    root are sharded over the ranks; gradients are reduce-scattered in every backward.
+
+    `param_dtype` (e.g. torch.bfloat16): FSDP2's `MixedPrecisionPolicy` -- the sharded parameters
+    (the master weights, and AdamW's state) stay in their dtype (float32), each forward all-gathers
+    and computes with a `param_dtype` copy, and gradients are reduce-scattered in `reduce_dtype`
+    (default float32) into float32 gradients. None (the default): the parameters are gathered in
+    their own dtype (float32: twice the all-gather bytes of bf16; the engine's autocast then casts
+    per op)."""
 
     name = "fsdp2"
+
+    def __init__(self, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32):
+        super().__init__()
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def prepare(self, model, make_optimizer, grad_clip):
         from torch.distributed.device_mesh import init_device_mesh
@@ -225,13 +236,18 @@ class FSDP2Strategy(_Distributed):
         self.model, self.grad_clip = model.to(self.device), grad_clip
         self.names = [n for n, _ in model.named_parameters()]  # the optimizer's id order
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        kw = {}
+        if self.param_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
         blocks = set()
         for m in model.modules():
             blocks |= set(getattr(m, "_no_split_modules", None) or ())
         for m in model.modules():
             if type(m).__name__ in blocks:
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(m, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         return model, make_optimizer(list(model.parameters()))
 
     def full_state_dict(self):
@@ -367,7 +383,8 @@ _REGISTRY: dict[str, Callable[..., TrainStrategy]] = {
 
 def make_strategy(name: str, **kwargs) -> TrainStrategy:
     """A fresh strategy by config name (`training.strategy`); multi-process ones need
-    `init_distributed` first. kwargs go to the DeepSpeed strategies (config_overrides)."""
+    `init_distributed` first. kwargs go to the DeepSpeed strategies (config_overrides) and to
+    fsdp2 (param_dtype, reduce_dtype: its mixed-precision policy)."""
     if name not in _REGISTRY:
         raise ValueError(f"training.strategy {name!r} is not one of {list(STRATEGIES)}")
     return _REGISTRY[name](**kwargs)

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import math
 import time
+import typing
 
 import torch
 
 from engines.algorithms.aggregate import agg_loss, global_counts, masked_mean
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.objective import actor_loss, critic_loss
 from engines.algorithms.policy_losses import ZERO_AT_ZERO_ADVANTAGE
 from engines.algorithms.registry import get_policy_loss
 from engines.batching import TokenBatch, prompt_groups, response_logprobs
 from engines.strategies import TorchStrategy, TrainStrategy, micro_batches, shard
+
+if typing.TYPE_CHECKING:  # annotations only: the engine runs without pydantic (a GPU box may not have it)
+    from engines.algorithms.config import AlgorithmConfig
+
 
 
 # non-reentrant (frozen LoRA inputs need no requires_grad trick); the recompute's metadata check is off: the

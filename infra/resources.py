@@ -33,6 +33,7 @@ from flytekit.extras.accelerators import A100, BaseAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from configs.schema import ConfigError, load_config
+from engines.devices import resolve_device
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
 
@@ -247,16 +248,6 @@ def placement_plan(cfg) -> dict[str, RolePlan]:
         device, dtype = resolve_device(res.device, res.dtype, _pool_footprint(plan, r.pool)[1])
         plan[name] = replace(r, device=device, dtype=dtype)
     return plan
-
-
-def resolve_device(device: str, dtype: str, gpus: float) -> tuple[str, str]:
-    """A role's (device, dtype) from its config values and the GPUs its worker requests: device
-    'auto' = 'cuda' when `gpus` > 0, else 'cpu'; dtype 'auto' = 'bfloat16' on cuda, 'float32' on cpu."""
-    if device == "auto":
-        device = "cuda" if gpus > 0 else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, dtype
 
 
 def check_placement(cfg) -> None:

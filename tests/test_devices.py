@@ -273,3 +273,18 @@ def test_generation_worker_in_bf16_generates_and_takes_float32_weights(tiny_poli
     own = dict(engine.model.named_parameters())
     for name, p in trained.named_parameters():
         assert own[name].dtype == torch.bfloat16 and torch.equal(own[name], p.detach().to(torch.bfloat16)), name
+
+
+def test_resolve_device_is_pure_and_infra_uses_it():
+    """Role placement lives in engines/devices.py (no flytekit: a GPU box can print it); 'auto'
+    follows the worker's GPUs, an explicit value is kept."""
+    from engines.devices import resolve_device
+
+    assert resolve_device("auto", "auto", 1.0) == ("cuda", "bfloat16")
+    assert resolve_device("auto", "auto", 0.5) == ("cuda", "bfloat16")
+    assert resolve_device("auto", "auto", 0.0) == ("cpu", "float32")
+    assert resolve_device("cpu", "bfloat16", 1.0) == ("cpu", "bfloat16")
+    assert resolve_device("cuda", "auto", 0.0) == ("cuda", "bfloat16")
+    from infra import resources
+
+    assert resources.resolve_device is resolve_device

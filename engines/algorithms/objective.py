@@ -20,18 +20,21 @@ Loss metrics of one micro-batch are its share of the mini-batch loss: sum them o
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from engines.algorithms.aggregate import agg_loss, masked_mean
-from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.critic import value_loss
 from engines.algorithms.kl import AdaptiveKLController, FixedKLController
 from engines.algorithms.normalize import RunningStats, clip_advantages, clip_rewards, masked_whiten, normalize_rewards
 from engines.algorithms.registry import get_advantage, get_kl, get_policy_loss
 from engines.algorithms.shaping import difficulty_mask, filter_groups, mask_truncated, overlong_penalty, scores_to_token_rewards
+
+if typing.TYPE_CHECKING:  # annotations only: the engine runs without pydantic (a GPU box may not have it)
+    from engines.algorithms.config import AlgorithmConfig
 
 
 
