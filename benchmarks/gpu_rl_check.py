@@ -32,9 +32,10 @@ The time budget (--budget, default 420 s) skips a phase that no longer fits (by 
 phase's optional rows when they would eat the later phases' share; a phase running past three times
 its estimate is interrupted (SIGALRM). Exit status 1 when a phase failed, 0 otherwise.
 
-Two things are meant to be switched in one place each after the engine API changes: the batch the
-training engine takes (`_train_batch`, through `RolloutBatch.from_table`) and the algorithm settings (benchmarks/engine_settings.py,
-plain values, the default preset's; tests/test_gpu_check.py checks them against configs/tiny.yaml).
+Rollout rows become the training engine's input in one place (`_train_batch`, through
+`RolloutBatch.from_table`, as in the training actor); the algorithm settings are plain values in
+benchmarks/engine_settings.py (the default preset's; tests/test_gpu_check.py checks them against
+configs/tiny.yaml), so the script needs no pydantic.
 """
 
 from __future__ import annotations
