@@ -5,10 +5,12 @@ directory, with a scrubbed environment, and is SIGKILLed (with everything it sta
 wall-clock timeout. The layers, strongest first (docs/sandbox.md says what each one stops and
 what none of them stops):
 
-1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir
-   the only writable host path, the host HOME hidden; new network (no route to the host), PID,
-   IPC, UTS and cgroup namespaces; killed with the host process. Without bwrap: util-linux
-   `unshare` (network, PID, mount + /proc) after ONE warning, or nothing ("plain").
+1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir a
+   tmpfs of max_disk_mb (and max_files inodes as root) inside the sandbox, no host path writable,
+   the host HOME hidden; new network (no route to the host), PID, IPC, UTS and cgroup namespaces;
+   killed with the host process. Without bwrap, model code does not run (`SandboxUnavailable`)
+   unless `allow_weaker` names a weaker mode: util-linux `unshare` (network, PID, mount + /proc)
+   or nothing ("plain"), after ONE warning.
 2. Kernel credentials, when the host runs as root: `setpriv` drops to a random unprivileged uid/gid
    with no supplementary groups and no_new_privs.
 3. Kernel resource limits (`setrlimit` in the sandbox before any model code runs): CPU seconds,
@@ -20,7 +22,9 @@ what none of them stops):
    the supervisor holds the report pipe the verdict is read from.
 6. An audit hook (PEP 578) in the program process: refuses writes outside the work dir, running
    other programs, forking beyond the budget, sockets, signals to foreign processes, reading
-   credential files, and importing ctypes. Bypassable by native code; layers 1-5 hold then.
+   credential files, and importing ctypes. The program can switch it off (native code, or `gc`
+   to its state), so under bubblewrap it is defence in depth and decides no verdict; layers 1-5
+   hold on their own. Without bubblewrap its refusals give the verdict "forbidden".
 
 The sandboxed interpreter is `python -I -B -c <engines/sandbox_child.py>`: the supervisor sets
 the limits, forks the program process, and reports its exit status, the test results and a
