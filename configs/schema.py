@@ -163,12 +163,21 @@ class RewardModelConfig(_Section):
         return self
 
 
+class SandboxConfig(_Section):
+    """The code sandbox's isolation and work-dir budget (engines/sandbox.py, docs/sandbox.md)."""
+
+    allow_weaker: Literal["namespaces", "rlimits-only"] | None = Field(None, description="Without bubblewrap the code reward refuses to run model code (the scoring fails with the reason and the fix) unless a weaker mode is allowed here by name: 'namespaces' (util-linux unshare: network/PID/mount namespaces, uid drop as root; the host filesystem stays writable where the sandbox uid may write) or 'rlimits-only' (also no namespaces: rlimits and the audit hook only). The metric reward/<domain>/isolation_<mode> counts the samples each mode scored.")
+    max_disk_mb: int = Field(256, ge=1, le=65_536, description="Size of the per-run work dir (a tmpfs inside the sandbox: memory, not host disk): past it writes fail with ENOSPC and the verdict is 'disk'.")
+    max_files: int = Field(10_000, ge=1, le=10_000_000, description="Files and directories a run may create in its work dir (the tmpfs's inode count as root; otherwise counted): past it the verdict is 'disk'.")
+
+
 class RewardConfig(_Section):
     functions: dict[str, str] = Field(default_factory=dict, description="Route a domain to a reward function: {domain: registered name or 'package.module:function'}. Unlisted domains use the function registered under the domain's own name. A function is `fn(response: str, sample: dict) -> float`, so adding one is one file. Two names route to a model instead, set up below: 'judge' (reward.judge) and 'reward_model' (reward.reward_model).")
     timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-sample reward timeout. A reward that raises or runs past it scores 0 and is flagged in reward_error. (The model rewards have their own per-batch timeouts.)")
     num_workers: int = Field(1, ge=1, le=256, description="Reward worker actors. Each one loads its own judge / reward model once, so more workers = more memory.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model judge (LLM-as-a-judge, MT-Bench arXiv 2306.05685) for domains routed to 'judge': a rubric prompt, greedy decoding, the rating parsed to [0, 1]; an unparsable verdict scores 0 and is flagged.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward model (InstructGPT, arXiv 2203.02155) for domains routed to 'reward_model': a sequence-classification model scores prompt + response in batches.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="The code sandbox (engines/sandbox.py): bubblewrap required unless allow_weaker names a weaker mode; the work dir's size and file budget.")
 
 
 class LoraConfig(_Section):

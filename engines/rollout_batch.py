@@ -99,6 +99,8 @@ COLUMNS: tuple[Column, ...] = (
     # scoring (tasks/scoring.py with_rewards; tasks/agentic.py score_episodes)
     Column("reward", "float", "the sample's reward (a failed reward call: 0)", _S),
     Column("reward_error", "str", "why the reward call failed", _S, nullable=True),
+    Column("reward_isolation", "str", "the code sandbox's isolation mode that scored the row (None: no sandbox)", _S,
+           optional=True, nullable=True),
     # reference forward (tasks/reference.py with_logprobs)
     Column("ref_logprobs", "list[float]", "log-probs of the reference model (KL anchor)", _F, aligned=True),
     Column("old_logprobs", "list[float]", "log-probs of the policy that sampled (pi_old), recomputed, or the behaviour "

@@ -5,10 +5,12 @@ directory, with a scrubbed environment, and is SIGKILLed (with everything it sta
 wall-clock timeout. The layers, strongest first (docs/sandbox.md says what each one stops and
 what none of them stops):
 
-1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir
-   the only writable host path, the host HOME hidden; new network (no route to the host), PID,
-   IPC, UTS and cgroup namespaces; killed with the host process. Without bwrap: util-linux
-   `unshare` (network, PID, mount + /proc) after ONE warning, or nothing ("plain").
+1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir a
+   tmpfs of max_disk_mb (and max_files inodes as root) inside the sandbox, no host path writable,
+   the host HOME hidden; new network (no route to the host), PID, IPC, UTS and cgroup namespaces;
+   killed with the host process. Without bwrap, model code does not run (`SandboxUnavailable`)
+   unless `allow_weaker` names a weaker mode: util-linux `unshare` (network, PID, mount + /proc)
+   or nothing ("plain"), after ONE warning.
 2. Kernel credentials, when the host runs as root: `setpriv` drops to a random unprivileged uid/gid
    with no supplementary groups and no_new_privs.
 3. Kernel resource limits (`setrlimit` in the sandbox before any model code runs): CPU seconds,
@@ -20,7 +22,9 @@ what none of them stops):
    the supervisor holds the report pipe the verdict is read from.
 6. An audit hook (PEP 578) in the program process: refuses writes outside the work dir, running
    other programs, forking beyond the budget, sockets, signals to foreign processes, reading
-   credential files, and importing ctypes. Bypassable by native code; layers 1-5 hold then.
+   credential files, and importing ctypes. The program can switch it off (native code, or `gc`
+   to its state), so under bubblewrap it is defence in depth and decides no verdict; layers 1-5
+   hold on their own. Without bubblewrap its refusals give the verdict "forbidden".
 
 The sandboxed interpreter is `python -I -B -c <engines/sandbox_child.py>`: the supervisor sets
 the limits, forks the program process, and reports its exit status, the test results and a
@@ -40,7 +44,6 @@ import math
 import os
 import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,10 +52,36 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from engines.sandbox_isolation import (_SECRET_HOME_PATHS, Isolation, _kill_uid, _random_uid, _setpriv, _tasks_of_uid,
-                                       isolation)
+from engines.sandbox_isolation import (_SECRET_HOME_PATHS, WEAKER_MODES, Isolation, SandboxUnavailable, _kill_uid,
+                                       _random_uid, _tasks_of_uid, isolation, require_isolation)
 
-VERDICTS = ("passed", "failed", "timeout", "memory", "crashed", "forbidden")
+__all__ = ["Verdict", "SandboxUnavailable", "configure", "isolation", "remove_tree", "require_isolation", "run_program",
+           "split_tests"]
+
+VERDICTS = ("passed", "failed", "timeout", "memory", "disk", "crashed", "forbidden")
+
+
+@dataclasses.dataclass
+class SandboxPolicy:
+    """Process-wide defaults of `run_program` (the reward worker sets them from config
+    `reward.sandbox` through `configure`): the weaker isolation allowed by name (None: bubblewrap
+    only, fail closed), the work dir's size and file budget."""
+
+    allow_weaker: str | None = None
+    max_disk_mb: int = 256
+    max_files: int = 10_000
+
+
+POLICY = SandboxPolicy()
+
+
+def configure(allow_weaker: str | None = None, max_disk_mb: int = 256, max_files: int = 10_000) -> None:
+    """Set this process's sandbox policy (see `SandboxPolicy`); config `reward.sandbox`."""
+    if allow_weaker is not None and allow_weaker not in WEAKER_MODES:
+        raise ValueError(f"sandbox: allow_weaker={allow_weaker!r}, expected None or one of {sorted(WEAKER_MODES)}")
+    if max_disk_mb < 1 or max_files < 1:
+        raise ValueError(f"sandbox: max_disk_mb={max_disk_mb}, max_files={max_files}; expected positive numbers")
+    POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files = allow_weaker, int(max_disk_mb), int(max_files)
 _REPORT_CAP = 1 << 20          # bytes of report-pipe traffic kept; the rest is dropped
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +92,13 @@ class Verdict:
              failed    ran to the end but a test failed, or exited non-zero / before the tests ran
              timeout   wall clock or CPU limit exceeded (the whole process tree was killed)
              memory    MemoryError under the address-space limit, or killed by the OOM killer
+             disk      the work dir reached its budget (max_disk_mb bytes or max_files files and dirs)
              crashed   uncaught exception in the program (not in a test), syntax error, or a fatal
                        signal (segfault, abort)
-             forbidden the audit hook refused an operation (even if the program caught the error)
+             forbidden the audit hook refused an operation (even if the program caught the error), in
+                       the modes without bubblewrap only: under bubblewrap the kernel layers hold on
+                       their own and the hook (which the program can switch off) decides no verdict
+    isolation: the mode that ran it (`isolation().mode`).
     exit_code: the program's exit status; -N when it died of signal N; None when it never reported.
     tests_passed / tests_total: None without tests.
     """
@@ -78,6 +111,7 @@ class Verdict:
     max_rss_mb: float
     tests_passed: int | None = None
     tests_total: int | None = None
+    isolation: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -120,18 +154,24 @@ def split_tests(tests: str | Sequence[str] | None) -> list[tuple[str, str]] | No
 def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: str = "",
                 timeout_s: float = 5.0, cpu_s: float | None = None, memory_mb: int = 512,
                 max_output_bytes: int = 64_000, max_file_mb: int = 16,
-                max_procs: int = 32, audit_hook: bool = True) -> Verdict:
+                max_procs: int = 32, max_disk_mb: int | None = None, max_files: int | None = None,
+                allow_weaker: str | None = None, audit_hook: bool = True) -> Verdict:
     """Run `code`, then `tests` against the names it defined, in the sandbox; never raises for
-    anything the program does. `cpu_s` defaults to `timeout_s`; limits apply per process except
-    `max_procs`, which caps processes + threads of the whole run (and the fork budget).
+    anything the program does. Raises `SandboxUnavailable` (nothing runs) when bubblewrap cannot
+    start and `allow_weaker` (default: `configure`'s, else None) names no mode this host has.
+    `cpu_s` defaults to `timeout_s`; limits apply per process except `max_procs`, which caps
+    processes + threads of the whole run (and the fork budget), and `max_disk_mb` / `max_files`
+    (default: `configure`'s, 256 MiB / 10,000), the work dir's total.
     `audit_hook=False` leaves out the in-interpreter refusals (the audit hook and the setsid /
     fork_exec stubs) so that tests can check the kernel layers alone; rewards never pass it."""
-    for name, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
-                    ("max_output_bytes", max_output_bytes), ("max_procs", max_procs)):
+    max_disk_mb = POLICY.max_disk_mb if max_disk_mb is None else max_disk_mb
+    max_files = POLICY.max_files if max_files is None else max_files
+    for name, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
+                    ("max_procs", max_procs), ("max_disk_mb", max_disk_mb), ("max_files", max_files)):
         if not v or v <= 0:
             raise ValueError(f"run_program: {name}={v!r}, expected a positive number")
     items = split_tests(tests)
-    iso = isolation()
+    iso = require_isolation(allow_weaker if allow_weaker is not None else POLICY.allow_weaker)
     uid = _random_uid() if iso.drop_uid else None
     cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s))
     if uid is not None or iso.mode in ("userns", "bwrap-userns"):
@@ -143,41 +183,143 @@ def run_program(code: str, *, tests: str | Sequence[str] | None = None, stdin: s
                ("RLIMIT_CORE", 0, 0), ("RLIMIT_NOFILE", 256, 256)]
     home = os.path.expanduser("~")
     nonce = secrets.token_hex(16)
-    workdir = tempfile.mkdtemp(prefix="flyroll-sbx-")
+    # bubblewrap: the work dir exists only inside the sandbox (a tmpfs under its private /tmp); otherwise
+    # a host dir (root-ns mounts a tmpfs over it in its own mount namespace, so it stays empty)
+    host_dir = None if iso.fs_view else tempfile.mkdtemp(prefix="flyroll-sbx-", dir=_host_work_base(uid))
+    workdir = host_dir or "/tmp/flyroll-sbx-" + secrets.token_hex(6)
     cfg = {"workdir": workdir, "program": code, "has_tests": items is not None, "rlimits": rlimits,
            "pidns": iso.pidns, "fork_budget": max_procs - 1, "audit_hook": bool(audit_hook),
-           "secret_paths": [os.path.join(home, p) for p in _SECRET_HOME_PATHS]}
+           "secret_paths": [os.path.join(home, p) for p in _SECRET_HOME_PATHS],
+           "disk": {"bytes": max_disk_mb << 20, "files": max_files, "tmpfs": iso.private_workdir}}
     secret = {"nonce": nonce, "tests": items}     # read by the supervisor only, after the fork
+    v = None
     try:
-        with open(os.path.join(workdir, "program.py"), "w") as f:
-            f.write(code)
-        os.chmod(os.path.join(workdir, "program.py"), 0o644)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
+        if host_dir is not None and uid is not None:
+            os.chown(host_dir, uid, uid)
         total = None if items is None else sum(kind == "test" for _, kind in items)
-        return _run(cfg, secret, iso, uid, stdin, timeout_s, max_output_bytes, total)
+        v = _run(cfg, secret, iso, uid, stdin, timeout_s, max_output_bytes, total, max_disk_mb, max_files)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if host_dir is not None:
+            files, nbytes = remove_tree(host_dir)
+            # no size-limited filesystem under a host work dir: the budget is checked here, afterwards
+            if v is not None and v.verdict in ("passed", "failed", "crashed") and \
+                    (files > max_files + 2 or nbytes > max_disk_mb << 20):
+                v = dataclasses.replace(v, verdict="disk", stderr=v.stderr + (
+                    f"\n[sandbox: the work dir held {files} entries, {nbytes >> 20} MiB; budget {max_files} "
+                    f"files, {max_disk_mb} MiB]\n"))
+    return v
+
+
+def _host_work_base(uid: int | None) -> str:
+    """Where a host work dir goes: `tempfile.gettempdir()`, unless the sandbox uid could not reach
+    it (a private TMPDIR, mode 0700): then /tmp."""
+    base = os.path.realpath(tempfile.gettempdir())
+    if uid is None:
+        return base
+    p = base
+    while p != "/":
+        if not os.stat(p).st_mode & 0o001:
+            return "/tmp"
+        p = os.path.dirname(p)
+    return base
+
+
+def remove_tree(path: str) -> tuple[int, int]:
+    """Remove `path` and everything under it; returns (entries removed, bytes they held).
+
+    Iterative and fd-based: one directory fd open at a time (any depth: no recursion, no PATH_MAX,
+    no fd limit), names taken relative to that fd (any bytes, newlines, leading dashes), never
+    following a symlink (a link is unlinked, its target untouched), FIFOs / sockets / devices
+    unlinked without being opened, directories without read or search permission chmod-ed 0700
+    first. Going back up re-opens ".." and checks it is the directory it came from (device and
+    inode), so a directory moved meanwhile stops the removal instead of redirecting it. Errors
+    other than "already gone" propagate."""
+    import stat as S
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0, 0
+    if not S.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return 1, st.st_blocks * 512
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+    def open_dir(name: str | bytes, parent: int | None) -> int:
+        try:
+            return os.open(name, flags, dir_fd=parent)
+        except PermissionError:
+            os.chmod(name, 0o700, dir_fd=parent) if parent is not None else os.chmod(name, 0o700)
+            return os.open(name, flags, dir_fd=parent)
+
+    files = nbytes = 0
+    fd = open_dir(path, None)
+    # one level per entry: (name in its parent, (st_dev, st_ino) of the parent, subdirectories left)
+    stack: list[tuple[bytes | None, tuple[int, int] | None, list[bytes]]] = []
+    name: bytes | None = None
+    parent_id: tuple[int, int] | None = None
+    try:
+        while True:
+            subdirs: list[bytes] = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    n = os.fsencode(e.name)
+                    est = os.stat(n, dir_fd=fd, follow_symlinks=False)
+                    if S.S_ISDIR(est.st_mode):
+                        subdirs.append(n)
+                    else:
+                        os.unlink(n, dir_fd=fd)
+                        files += 1
+                        nbytes += est.st_blocks * 512
+            me = os.fstat(fd)
+            stack.append((name, parent_id, subdirs))
+            while stack and not stack[-1][2]:          # done with this level: go up, remove it
+                name, parent_id, _ = stack.pop()
+                if not stack:
+                    break
+                up = os.open("..", flags, dir_fd=fd)
+                ust = os.fstat(up)
+                if (ust.st_dev, ust.st_ino) != parent_id:
+                    os.close(up)
+                    raise RuntimeError(f"remove_tree: {path}: a directory was moved during the removal; stopped")
+                os.close(fd)
+                fd = up
+                os.rmdir(name, dir_fd=fd)
+                files += 1
+                me = ust
+            if not stack:
+                break
+            name = stack[-1][2].pop()
+            parent_id = (me.st_dev, me.st_ino)
+            child = open_dir(name, fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+    return files, nbytes
 
 
 def _run(cfg: dict, secret: dict, iso: Isolation, uid: int | None, stdin: str, timeout_s: float,
-         cap: int, tests_total: int | None) -> Verdict:
+         cap: int, tests_total: int | None, max_disk_mb: int, max_files: int) -> Verdict:
     workdir, nonce = cfg["workdir"], secret["nonce"]
     cfg_r, cfg_w = os.pipe()
     sec_r, sec_w = os.pipe()
     rep_r, rep_w = os.pipe()      # supervisor -> host: the events that can make a run pass
     ev_r, ev_w = os.pipe()        # program process -> host: forbidden / memory / program_error
-    cmd = [*iso.command(workdir), *(_setpriv(uid) if uid is not None else []),
+    cmd = [*iso.command(workdir, uid, max_disk_mb, max_files),
            sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(cfg_r), str(sec_r), str(rep_w), str(ev_w)]
     sandbox_ends = (cfg_r, sec_r, rep_w, ev_w)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+    # TMPDIR: a folder of the work dir that the supervisor creates, whatever the host's TMPDIR
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
+           "TMPDIR": os.path.join(workdir, "tmp")}
     with tempfile.TemporaryFile() as stdin_f:     # unlinked: the program sees it only as fd 0
         stdin_f.write(stdin.encode())
         stdin_f.seek(0)
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, stdin=stdin_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=sandbox_ends, cwd=workdir, env=env,
+                                    pass_fds=sandbox_ends, cwd="/" if iso.fs_view else workdir, env=env,
                                     start_new_session=True)
         except BaseException:
             for fd in (*sandbox_ends, cfg_w, sec_w, rep_r, ev_r):
@@ -255,8 +397,18 @@ def _run(cfg: dict, secret: dict, iso: Isolation, uid: int | None, stdin: str, t
     # of the launcher also counts the pages it shared with this (possibly large) process right after
     # fork, so it is only a fallback when the program died before reporting.
     max_rss_kb = exit_ev["maxrss_kb"] if exit_ev else rusage.ru_maxrss
+    refused = [e.get("what", "") for e in events if e["event"] == "forbidden"]
+    if iso.fs_view and refused:
+        # the kernel layers hold on their own: what the hook refused (it raised in the program) is told,
+        # not judged, since the program can switch the hook off and would then meet the kernel instead
+        events = [e for e in events if e["event"] != "forbidden"]
+        stderr += ("\n[sandbox: the audit hook refused: %s]\n" % "; ".join(map(str, refused[:5]))).encode()
+    disk_ev = next((e for e in events if e["event"] == "disk"), None)
+    if disk_ev is not None:
+        stderr += (f"\n[sandbox: the work dir reached its budget ({disk_ev.get('what', '')}; "
+                   f"max_disk_mb={max_disk_mb}, max_files={max_files})]\n").encode()
     verdict, passed = _decide(events, exit_code, timed_out, tests_total, stderr)
-    return Verdict(verdict=verdict, exit_code=exit_code,
+    return Verdict(verdict=verdict, exit_code=exit_code, isolation=iso.mode,
                    stdout=bufs[out_fd].decode("utf-8", "replace"),
                    stderr=stderr.decode("utf-8", "replace"),
                    wall_s=round(wall, 4), max_rss_mb=round(max_rss_kb / 1024, 2),
@@ -295,7 +447,7 @@ def _json_lines(raw: bytes) -> list[dict]:
 
 def _parse_events(raw: bytes, nonce: str) -> list[dict]:
     """Report-pipe lines -> events; events that need the nonce and lack it are dropped."""
-    trusted = {"exit", "test", "done", "memory", "program_error"}
+    trusted = {"exit", "test", "done", "memory", "program_error", "disk"}
     return [e for e in _json_lines(raw) if e["event"] not in trusted or e.get("nonce") == nonce]
 
 
@@ -323,6 +475,8 @@ def _decide(events: list[dict], exit_code: int | None, timed_out: bool, tests_to
         return "timeout", passed
     if "memory" in kinds or (exit_code not in (0, None) and b"MemoryError" in stderr[-2000:]):
         return "memory", passed
+    if "disk" in kinds:
+        return "disk", passed
     if exit_code == -signal.SIGKILL:   # not by us: RLIMIT_CPU hard limit, else the OOM killer
         return ("timeout" if exit_ev and exit_ev.get("cpu_s", 0) >= 1 else "memory"), passed
     if exit_code is not None and exit_code < 0:

@@ -69,6 +69,16 @@ def _main():
             report("setup_error", what="setrlimit %s: %s" % (name, e))
             os._exit(70)
 
+    # The work dir (the cwd): tmp/ for TMPDIR, and the program's source for its tracebacks
+    work = cfg["workdir"]
+    try:
+        os.makedirs(os.path.join(work, "tmp"), exist_ok=True)
+        with open(os.path.join(work, "program.py"), "w") as f:
+            f.write(cfg["program"])
+    except OSError as e:
+        report("setup_error", what="work dir %s: %s" % (work, e))
+        os._exit(70)
+
     # Supervisor: fork the program process; in a PID namespace the kernel kills every other
     # sandbox process when the namespace's init exits.
     go_r, go_w = os.pipe()
@@ -111,10 +121,32 @@ def _main():
             continue
     status, ru = reaped["status"], reaped["ru"]
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    over = _disk_over(work, cfg["disk"])
+    if over:
+        report("disk", nonce=nonce, what=over)
     report("exit", nonce=nonce, code=code, maxrss_kb=ru.ru_maxrss, cpu_s=ru.ru_utime + ru.ru_stime)
     if result is not None:
         report("done", nonce=nonce, passed=result[0], total=result[1])
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _disk_over(work, disk):
+    """What of the work dir's budget is spent ("" when within it). On the work dir's own tmpfs
+    (size = the byte budget; nr_inodes = the file budget where the host mounted it) statvfs tells,
+    whatever the program left; a host work dir is measured by the host when it removes it."""
+    if not disk["tmpfs"]:
+        return ""
+    try:
+        st = os.statvfs(work)
+    except OSError as e:
+        return "statvfs: %s" % e
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    files = st.f_files - st.f_ffree - 3          # the root, tmp/ and program.py are the sandbox's
+    if st.f_bavail * st.f_frsize < (64 << 10) or used >= disk["bytes"]:
+        return "%d MiB written" % (used >> 20)
+    if files >= disk["files"]:
+        return "%d files and dirs" % files
+    return ""
 
 
 class _Handle:

@@ -7,7 +7,9 @@ process, and the host-side process control that goes with them.
 - As root, `setpriv` drops every run to a random unprivileged uid (`_random_uid`), and the host
   kills whatever that uid still runs afterwards (`_kill_uid`).
 
-`isolation()` picks the strongest that passes a probe and logs one warning when it falls back;
+`isolation()` picks the strongest that passes a probe. Model code runs only under bubblewrap unless
+the caller allows a weaker mode by name (`require_isolation(allow_weaker)`, config
+`reward.sandbox.allow_weaker`): otherwise `SandboxUnavailable` says why and how to fix it.
 docs/sandbox.md says what each layer stops.
 """
 
@@ -22,10 +24,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 log = logging.getLogger("engines.sandbox")
+
+# allow_weaker name -> the modes without bubblewrap it admits (the bwrap modes are always admitted)
+WEAKER_MODES = {"namespaces": ("root-ns", "userns"), "rlimits-only": ("root-ns", "userns", "plain")}
+FIX = ("Fix: install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; it needs `setpriv` and `mount` "
+       "from util-linux when run as root, or unprivileged user namespaces otherwise), or accept weaker "
+       "isolation by name: reward.sandbox.allow_weaker: \"namespaces\" or \"rlimits-only\" (docs/sandbox.md)")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox's kernel layers are missing and no weaker mode was allowed by name: model code is
+    not run. The message says what is missing and how to fix it."""
 
 # credential paths under HOME: hidden from the sandbox when HOME itself must stay visible, and
 # refused to the program by the audit hook (engines/sandbox.py passes them to it)
@@ -43,12 +55,39 @@ class Isolation:
     pidns: bool                # PID + network + mount namespace in effect
     fs_view: bool = False      # bwrap: read-only host, private /tmp, only the work dir writable
 
-    def command(self, workdir: str) -> list[str]:
-        """The prefix for one run; with bwrap it binds `workdir` (the only writable host path)."""
-        if not self.fs_view:
-            return list(self.prefix)
-        return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--bind", workdir, workdir,
-                "--chdir", workdir, "--"]
+    @property
+    def private_workdir(self) -> bool:
+        """The work dir is a tmpfs inside the sandbox's mount namespace (no host directory behind it):
+        bounded by max_disk_mb (and, where we mount it ourselves, by max_files), gone with the namespace."""
+        return self.mode in ("bwrap-root", "bwrap-userns", "root-ns")
+
+    @property
+    def inode_limit(self) -> bool:
+        """The work dir's tmpfs also has nr_inodes = max_files (mounted by `_MOUNT` with the caps of
+        root in the new mount namespace, before the uid drop)."""
+        return self.mode in ("bwrap-root", "root-ns")
+
+    def command(self, workdir: str, uid: int | None = None, disk_mb: int = 256, max_files: int = 10_000) -> list[str]:
+        """The prefix for one run, up to the interpreter: namespaces, the work dir (a `disk_mb` tmpfs
+        with `max_files` inodes where `private_workdir`), then the drop to `uid` when given."""
+        drop = _setpriv(uid) if uid is not None else []
+        if self.mode == "bwrap-root":
+            return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--perms", "0700", "--dir", workdir,
+                    "--cap-add", "CAP_SYS_ADMIN", "--", *_mount_workdir(workdir, uid, disk_mb, max_files), *drop]
+        if self.mode == "bwrap-userns":
+            return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--perms", "0700",
+                    "--size", str(disk_mb << 20), "--tmpfs", workdir, "--chdir", workdir, "--", *drop]
+        if self.mode == "root-ns":     # mounted over the (empty) host dir, in the new mount namespace
+            return [*self.prefix, *_mount_workdir(workdir, uid, disk_mb, max_files), *drop]
+        return [*self.prefix, *drop]
+
+
+def _mount_workdir(workdir: str, uid: int | None, disk_mb: int, max_files: int) -> list[str]:
+    """sh -c: mount a tmpfs of `disk_mb` MiB and `max_files` (+3: the root, tmp/, program.py) inodes
+    on `workdir`, owned by `uid`, then cd into it and exec the rest of the command line."""
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    opts = f"size={disk_mb}m,nr_inodes={max_files + 3},mode=0700,nosuid,nodev{owner}"
+    return ["/bin/sh", "-c", f'mount -n -t tmpfs -o {opts} flyroll-work "$0" && cd "$0" && exec "$@"', workdir]
 
 
 _NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
@@ -111,41 +150,70 @@ def _probe(cmd: list[str]) -> tuple[bool, str]:
 
 
 def _setpriv(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+    """Drop to `uid` with no groups, no capabilities left in any set, and no_new_privs."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--bounding-set=-all",
+            "--inh-caps=-all", "--no-new-privs", "--"]
 
 
 @functools.lru_cache(maxsize=1)
-def isolation() -> Isolation:
-    """Probe, once, the strongest isolation this host allows; logs one warning when it falls back.
-
-    bubblewrap (`bwrap`) on PATH: read-only host view + namespaces, plus the uid drop when root
-    ("bwrap-root", needs setpriv) or a user namespace when not ("bwrap-userns"). Without it:
-    root with unshare + setpriv: namespaces + unprivileged uid ("root-ns"); non-root with
-    unprivileged user namespaces: namespaces, same uid ("userns"); otherwise rlimits + audit hook
-    only ("plain", plus the uid drop when root).
-    """
+def _probed() -> tuple[Isolation, str]:
+    """(the strongest isolation that passes its probe, why bubblewrap is not it: "" when it is)."""
     bwrap, unshare, setpriv = shutil.which("bwrap"), shutil.which("unshare"), shutil.which("setpriv")
     root = os.geteuid() == 0
     missing = "bubblewrap (`bwrap`) is not on PATH"
     if bwrap and (setpriv or not root):
         iso = Isolation("bwrap-root" if root else "bwrap-userns", _bwrap_prefix(bwrap, root), root, True, True)
-        probe_dir = tempfile.mkdtemp(prefix="flyroll-sbx-probe-")
-        try:
-            ok, why = _probe(iso.command(probe_dir) + (_setpriv(_random_uid()) if root else []))
-        finally:
-            shutil.rmtree(probe_dir, ignore_errors=True)
+        probe_dir = "/tmp/flyroll-sbx-probe"
+        uid = _random_uid() if root else None
+        ok, why = _probe(iso.command(probe_dir, uid, 8, 16))
         if ok:
-            return iso
+            return iso, ""
         missing = f"bubblewrap (`{bwrap}`) failed its probe ({why})"
     elif bwrap:
         missing = "`setpriv` (util-linux) is not on PATH, which bubblewrap needs as root"
-    iso = _fallback(root, unshare, setpriv)
-    log.warning("sandbox: %s; falling back to mode %s%s: without bubblewrap the host filesystem is "
-                "not read-only for native code (it can write wherever the sandbox uid may, e.g. /tmp, "
-                "/dev/shm)%s. Install the Debian package `bubblewrap`.", missing, iso.mode,
-                "" if iso.mode != "plain" else (", uid drop" if iso.drop_uid else ", NO uid drop"),
-                "" if iso.pidns else "; no namespaces either: network and process isolation rest on "
-                "the audit hook only")
+    return _fallback(root, unshare, setpriv), missing
+
+
+def isolation() -> Isolation:
+    """The strongest isolation this host gives, probed once per process (it does not say whether
+    model code may run under it: `require_isolation` does).
+
+    bubblewrap (`bwrap`) on PATH: read-only host view + namespaces + the work dir on a private
+    tmpfs, plus the uid drop when root ("bwrap-root", needs setpriv and mount) or a user namespace
+    when not ("bwrap-userns"). Without it: root with unshare + setpriv: namespaces + unprivileged
+    uid ("root-ns"); non-root with unprivileged user namespaces: namespaces, same uid ("userns");
+    otherwise rlimits + audit hook only ("plain", plus the uid drop when root).
+    """
+    return _probed()[0]
+
+
+_warned: set[str] = set()
+
+
+def require_isolation(allow_weaker: str | None = None) -> Isolation:
+    """The isolation model code runs under; fails closed. The bubblewrap modes always qualify; a mode
+    without bubblewrap only when `allow_weaker` names a set that holds it ("namespaces": root-ns,
+    userns; "rlimits-only": those and plain), and then with one warning per process. Otherwise
+    raises `SandboxUnavailable` naming what is missing and the fix."""
+    if allow_weaker is not None and allow_weaker not in WEAKER_MODES:
+        raise ValueError(f"sandbox: allow_weaker={allow_weaker!r}, expected None or one of {sorted(WEAKER_MODES)}")
+    iso, missing = _probed()
+    if iso.fs_view:
+        return iso
+    if allow_weaker is None or iso.mode not in WEAKER_MODES[allow_weaker]:
+        allowed = "" if allow_weaker is None else f" (allow_weaker={allow_weaker!r} admits only {WEAKER_MODES[allow_weaker]})"
+        raise SandboxUnavailable(f"sandbox: {missing}; the strongest isolation left is mode {iso.mode!r}, and "
+                                 f"model code runs without bubblewrap only when a weaker mode is allowed by "
+                                 f"name{allowed}. Refusing to run model code. {FIX}")
+    if iso.mode not in _warned:
+        _warned.add(iso.mode)
+        log.warning("sandbox: %s; running model code in the weaker mode %s%s, allowed by allow_weaker=%r: the host "
+                    "filesystem is not read-only for native code (it can write wherever the sandbox uid may, e.g. "
+                    "/tmp, /dev/shm)%s, and the work dir is on the host disk (bounded per file only; the verdict "
+                    "says 'disk' past the budget). %s", missing, iso.mode,
+                    "" if iso.mode != "plain" else (", uid drop" if iso.drop_uid else ", NO uid drop"), allow_weaker,
+                    "" if iso.pidns else "; no namespaces either: network and process isolation rest on "
+                    "the audit hook only", FIX)
     return iso
 
 

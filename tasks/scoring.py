@@ -52,7 +52,8 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
     device, dtype = role_devices(cfg, "reward")["reward"]  # where the reward workers' models live
     models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
-              "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
+              "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype},
+              "sandbox": cfg.reward.sandbox.model_dump()}
     opts = actor_options_for(cfg, "reward", shared_local_ray())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
@@ -60,6 +61,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     futures = [w.score.remote([items[i] for i in s], timeout, routes, models) for w, s in zip(workers, shards)]
     rewards: list[float] = [0.0] * len(items)
     errors: list[str | None] = [None] * len(items)
+    isolation: list[str | None] = [None] * len(items)   # returned as rewards.isolation (see ScoredList)
     tainted = False
     for shard, fut in zip(shards, futures):
         try:
@@ -78,11 +80,20 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
                     res = (0.0, f"reward worker crashed: {type(e).__name__}")
                     kill_pool(f"{role}-solo", 1, spec.run_id)
                 results.append(res)
-        for i, (r, e) in zip(shard, results):
-            rewards[int(i)], errors[int(i)] = r, e
+        for i, res in zip(shard, results):
+            rewards[int(i)], errors[int(i)] = res
+            isolation[int(i)] = getattr(res, "isolation", None)
     if tainted:  # threads stuck in a hung reward call: replace the workers
         kill_pool(role, n, spec.run_id)
-    return rewards, errors
+    return ScoredList(rewards, isolation), errors
+
+
+class ScoredList(list):
+    """`score_table`'s rewards, with `isolation`: per row, the code sandbox mode that scored it (or None)."""
+
+    def __init__(self, rewards, isolation):
+        super().__init__(rewards)
+        self.isolation = isolation
 
 
 def with_rewards(df: pd.DataFrame, rewards: list[float], errors: list[str | None]) -> pd.DataFrame:
@@ -91,6 +102,9 @@ def with_rewards(df: pd.DataFrame, rewards: list[float], errors: list[str | None
     df = df.copy()
     df["reward"] = pd.Series(rewards, index=df.index, dtype=float)
     df["reward_error"] = pd.Series(errors, index=df.index, dtype=object)  # None, not NaN (pandas 3 infers str)
+    isolation = getattr(rewards, "isolation", None)
+    if isolation is not None and any(m is not None for m in isolation):
+        df["reward_isolation"] = pd.Series(isolation, index=df.index, dtype=object)
     return df
 
 
@@ -126,7 +140,8 @@ class RayRewards:
         cfg = config_of(spec)
         device, dtype = role_devices(cfg, "reward")["reward"]
         models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
-                  "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype}}
+                  "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype},
+                  "sandbox": cfg.reward.sandbox.model_dump()}
         self.spec, self.role, self.n = spec, role, cfg.reward.num_workers
         self.args = (cfg.reward.timeout_s, dict(cfg.reward.functions), models)
         self.opts = actor_options_for(cfg, "reward", shared_local_ray())
@@ -238,6 +253,9 @@ def reward_metrics(df: pd.DataFrame) -> dict[str, float]:
         metrics[f"reward/{domain}/accuracy"] = float((grp["reward"] >= 1.0).mean())
         metrics[f"reward/{domain}/errors"] = float(grp["reward_error"].notna().sum())  # e.g. judge failures
         metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
+        if "reward_isolation" in grp.columns:   # which sandbox mode scored this batch's code samples
+            for mode, count in grp["reward_isolation"].dropna().value_counts().items():
+                metrics[f"reward/{domain}/isolation_{mode}"] = float(count)
     solved = df.groupby("group_id")["reward"].agg(["min", "max"])
     metrics["reward/groups_all_equal_frac"] = float((solved["min"] == solved["max"]).mean())
     return metrics

@@ -60,3 +60,56 @@ def test_score_isolated_bad_values_are_flagged(pool, value):
     assert res.reward == 0.0 and not hung and res.error
     if value != value:
         assert "NaN" in res.error
+
+
+# --- the code sandbox through the scoring path (issue 41) -------------------------------------------
+
+def test_code_scores_say_which_isolation_ran_them(pool):
+    """score_samples sets the sandbox policy from models["sandbox"] and every code result carries the
+    mode; reward_metrics counts them per domain as reward/<domain>/isolation_<mode>."""
+    import pickle
+
+    import pandas as pd
+
+    from engines.rewards.routing import Scored, score_samples
+    from engines.rewards.models import ModelRewards
+    from engines.sandbox import POLICY, isolation
+
+    if not isolation().fs_view:
+        pytest.skip("no bubblewrap on this host: the code reward refuses (test_sandbox_escape covers that)")
+    code = "```python\ndef f(x):\n    return x + 1\n```"
+    items = [("code", code, {"tests": ["assert f(1) == 2"]}), ("arithmetic", "7", {"answer": "7"})]
+    saved = (POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files)
+    try:
+        out, hung = score_samples(items, 30.0, None, {"sandbox": {"allow_weaker": None, "max_disk_mb": 64,
+                                                                 "max_files": 500}}, pool, ModelRewards(pool))
+        assert (POLICY.max_disk_mb, POLICY.max_files) == (64, 500)
+    finally:
+        POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files = saved
+    assert not hung and [tuple(o) for o in out] == [(1.0, None), (1.0, None)]
+    assert out[0].isolation == isolation().mode and out[1].isolation is None
+    back = pickle.loads(pickle.dumps(out[0]))          # crosses Ray as a pickle
+    assert type(back) is Scored and back.isolation == out[0].isolation and tuple(back) == (1.0, None)
+    try:
+        from tasks.scoring import ScoredList, reward_metrics, with_rewards
+    except ImportError as e:        # tasks/ needs flytekit and ray
+        pytest.skip(f"tasks.scoring not importable: {e}")
+    df = pd.DataFrame({"domain": ["code", "code", "arithmetic"], "group_id": [0, 0, 1],
+                       "response_token_ids": [[1, 2], [3], [4]]})
+    scored = with_rewards(df, ScoredList([1.0, 0.0, 1.0], [out[0].isolation, out[0].isolation, None]), [None] * 3)
+    m = reward_metrics(scored)
+    assert m[f"reward/code/isolation_{isolation().mode}"] == 2.0
+    assert not any(k.startswith("reward/arithmetic/isolation_") for k in m)
+
+
+def test_sandbox_unavailable_fails_the_scoring_not_one_sample(pool, monkeypatch):
+    """A worker that cannot run bubblewrap (and was allowed no weaker mode) raises for the batch,
+    with the reason and the fix, instead of scoring code samples 0 one by one."""
+    from engines import sandbox_isolation
+    from engines.rewards.code import code_reward
+    from engines.sandbox import SandboxUnavailable
+
+    weak = sandbox_isolation.Isolation("plain", (), False, False)
+    monkeypatch.setattr(sandbox_isolation, "_probed", lambda: (weak, "bubblewrap (`bwrap`) is not on PATH"))
+    with pytest.raises(SandboxUnavailable, match="Refusing to run model code.*apt-get install bubblewrap"):
+        score_isolated(code_reward, "```python\nprint(1)\n```", {"tests": ["assert True"]}, 5.0, pool)

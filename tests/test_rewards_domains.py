@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("math_verify")
 
 from engines.rewards.code import code_reward, extract_program  # noqa: E402
+from engines.sandbox import isolation  # noqa: E402
 from engines.rewards.fmt import THINK_THEN_ANSWER, format_reward  # noqa: E402
 from engines.rewards.math import extract_answer, math_reward  # noqa: E402
 
@@ -124,9 +125,13 @@ def test_code_hostile_or_broken_programs_score_zero():
     assert code_reward("```python\nwhile True:\n    pass\n```", _c(MBPP_TESTS, timeout_s=1)) == 0.0
     assert code_reward("```python\nimport os\nos._exit(0)\n```", _c(MBPP_TESTS)) == 0.0
     assert code_reward("```python\ndef remove_Occ(:\n```", _c(MBPP_TESTS)) == 0.0
-    cheat = ("```python\nimport os\ntry:\n    open('/tmp/x', 'w')\nexcept Exception:\n    pass\n"
-             "def remove_Occ(s, ch):\n    return {'hello': 'heo', 'abcda': 'bcd', 'PHP': 'H'}[s]\n```")
-    assert code_reward(cheat, _c(MBPP_TESTS, partial_credit=True)) == 0.0        # forbidden
+    lookup = "def remove_Occ(s, ch):\n    return {'hello': 'heo', 'abcda': 'bcd', 'PHP': 'H'}[s]\n"
+    cheat = f"```python\nimport os\ntry:\n    open('/tmp/x', 'w')\nexcept Exception:\n    pass\n{lookup}```"
+    if isolation().fs_view:   # the hook's refusal decides no verdict under bubblewrap: the attempt earns nothing
+        assert code_reward(cheat, _c(MBPP_TESTS, partial_credit=True)) == \
+            code_reward(f"```python\n{lookup}```", _c(MBPP_TESTS, partial_credit=True)) < 1.0
+    else:                     # without bubblewrap the hook is a layer: "forbidden" scores 0
+        assert code_reward(cheat, _c(MBPP_TESTS, partial_credit=True)) == 0.0
     assert code_reward("no code at all, sorry", _c(MBPP_TESTS)) == 0.0
 
 

@@ -70,17 +70,24 @@ class RewardResult:
     reward: float
     error: str | None      # None, or what went wrong ("timeout after 5.0s", "ValueError: ...")
     seconds: float
+    isolation: str | None = None   # the sandbox mode that ran the code reward's program; None for other rewards
 
 
 def score_isolated(fn: RewardFn, response: str, sample: dict, timeout_s: float, pool: cf.ThreadPoolExecutor) -> tuple[RewardResult, bool]:
-    """(result, hung): run `fn` in `pool` with a timeout; never raises."""
+    """(result, hung): run `fn` in `pool` with a timeout; never raises, except `SandboxUnavailable`
+    (model code must not run here at all: the whole scoring fails with the reason and the fix)."""
+    from engines.sandbox import SandboxUnavailable
+
     t0 = time.perf_counter()
     fut = pool.submit(fn, response, sample)
     try:
-        value = float(fut.result(timeout=timeout_s))
+        raw = fut.result(timeout=timeout_s)
+        value = float(raw)
         if value != value:  # NaN
             raise ValueError("reward is NaN")
-        return RewardResult(value, None, time.perf_counter() - t0), False
+        return RewardResult(value, None, time.perf_counter() - t0, getattr(raw, "isolation", None)), False
+    except SandboxUnavailable:
+        raise
     except cf.TimeoutError:
         return RewardResult(0.0, f"timeout after {timeout_s}s", time.perf_counter() - t0), True
     except Exception as e:  # noqa: BLE001 -- any reward bug costs only this sample

@@ -8,6 +8,9 @@ sandbox refused (verdict "forbidden"), whatever it passed.
 
 metadata keys read: partial_credit (bool), entry_point (HumanEval: appends `check(entry_point)`
 when the tests define `check` but never call it), timeout_s (default 5), memory_mb (default 512).
+The isolation (bubblewrap required unless a weaker mode is allowed by name) and the work dir's
+budget come from the process's sandbox policy (`engines.sandbox.configure`, config
+`reward.sandbox`); the score carries the mode that ran it (`CodeScore.isolation`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ import re
 from engines.sandbox import run_program
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+class CodeScore(float):
+    """The code reward's score, a float that also says which sandbox mode ran the program
+    (`isolation`; engines/rewards score_isolated keeps it for the reward/<domain>/isolation_* metrics)."""
+
+    isolation: str = ""
+
+    def __new__(cls, value: float, isolation: str) -> "CodeScore":
+        obj = super().__new__(cls, value)
+        obj.isolation = isolation
+        return obj
 
 
 def extract_program(response: str) -> str:
@@ -47,7 +62,7 @@ def code_reward(response: str, sample: dict) -> float:
     v = run_program(extract_program(response), tests=tests,
                     timeout_s=float(meta.get("timeout_s", 5.0)), memory_mb=int(meta.get("memory_mb", 512)))
     if v.verdict == "passed":
-        return 1.0
+        return CodeScore(1.0, v.isolation)
     if v.verdict != "forbidden" and meta.get("partial_credit") and v.tests_total:
-        return (v.tests_passed or 0) / v.tests_total
-    return 0.0
+        return CodeScore((v.tests_passed or 0) / v.tests_total, v.isolation)
+    return CodeScore(0.0, v.isolation)

@@ -28,6 +28,20 @@ from engines.rewards.models import MODEL_REWARDS, ModelRewards
 Item = tuple[str, str, dict]
 
 
+class Scored(tuple):
+    """One item's (reward, error), plus `isolation`: the sandbox mode that ran it (code reward) or None."""
+
+    isolation: str | None = None
+
+    def __new__(cls, reward: float, error: str | None, isolation: str | None = None) -> "Scored":
+        obj = super().__new__(cls, (reward, error))
+        obj.isolation = isolation
+        return obj
+
+    def __reduce__(self):
+        return Scored, (self[0], self[1], self.isolation)
+
+
 def reward_name(domain: str, sample: dict, routes: dict[str, str] | None = None) -> str:
     """The reward that scores `sample` of `domain`: routes[domain], else metadata.reward_fn, else domain."""
     meta = sample.get("metadata") if isinstance(sample.get("metadata"), dict) else {}
@@ -48,7 +62,13 @@ def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | 
                   pool: cf.ThreadPoolExecutor, model_rewards: ModelRewards) -> tuple[list[tuple[float, str | None]], bool]:
     """([(reward, error)] per item, hung). hung = a reward call is still stuck in `pool` (its owner should
     be replaced). routes: domain -> reward name (config `reward.functions`); models: model reward name ->
-    its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
+    its options (config `reward.judge` / `reward.reward_model`, as dicts), and under "sandbox" the code
+    sandbox's policy (config `reward.sandbox`, as a dict), set for this process before anything is scored.
+    Each result is a `Scored` (reward, error) that also says which sandbox mode scored it."""
+    if (models or {}).get("sandbox") is not None:
+        from engines.sandbox import configure
+
+        configure(**models["sandbox"])
     out: list = [None] * len(items)
     batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
     hung_any = False
@@ -60,15 +80,15 @@ def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | 
         try:
             fn = get_reward(name)
         except KeyError as e:
-            out[i] = (0.0, str(e))
+            out[i] = Scored(0.0, str(e))
             continue
         res, hung = score_isolated(fn, response, sample, timeout_s, pool)
         hung_any |= hung
-        out[i] = (res.reward, res.error)
+        out[i] = Scored(res.reward, res.error, res.isolation)
     for name, idx in batched.items():
         results, hung = model_rewards.score(name, (models or {}).get(name), [items[i][1] for i in idx],
                                             [items[i][2] for i in idx])
         hung_any |= hung
         for i, res in zip(idx, results):
-            out[i] = res
+            out[i] = Scored(*res)
     return out, hung_any
