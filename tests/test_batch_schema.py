@@ -206,4 +206,4 @@ def test_sampling_settings_are_read_in_one_place(tmp_path):
     assert _params(cfg, greedy=True) == replace(params, n=1, temperature=0.0, seed=None)
     assert _params(parse_config({}), greedy=True).stop == ("\n",)  # agentic turns end at a newline by default
     constructions = {p.name: p.read_text().count("SamplingParams(") for p in (REPO / "tasks").glob("*.py")}
-    assert {k: v for k, v in constructions.items() if v} == {"rollout.py": 1}
+    assert {k: v for k, v in constructions.items() if v} == {"pools.py": 1}
