@@ -13,6 +13,10 @@ import threading
 
 import ray
 
+# Everything else is imported inside the actors' methods, on purpose: an actor's process sets its torch
+# threads (`_engine_process`) before torch and the engines load, and a driver importing this module
+# (to create the actors) loads none of them.
+
 
 def capped_threads(n: int) -> int:
     """`n`, capped by the env var FLYROLL_MAX_TORCH_THREADS when it is set."""
