@@ -91,8 +91,9 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
         publish_weights=publish_weights.task_function)
     try:
         return FusedOut(*run_iterations(
-            lambda p, generator, it: one_iteration(stages, spec, p, generator, reference, dataset, it), evaluate_after,
-            spec, origin, policy, dataset, first, end, last, eval_every, lag, versions=versions))
+            step=lambda p, generator, it: one_iteration(stages, spec, p, generator, reference, dataset, it),
+            evaluate=evaluate_after, spec=spec, origin=origin, start=policy, first=first, end=end, last=last,
+            eval_every=eval_every, lag=lag, versions=versions))
     finally:
         if ahead is not None:
             ahead.shutdown(wait=True, cancel_futures=True)

@@ -75,9 +75,9 @@ def generator_policy(spec: RunSpec, origin: PolicyRef, versions: dict, iteration
 LoopState = typing.NamedTuple("LoopState", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
 
 
-def run_iterations(step: Callable, evaluate: Callable, spec: RunSpec, origin: PolicyRef, start: PolicyRef,
-                   dataset: DatasetRef, first: int, end: int, last: int, eval_every: int, lag: int,
-                   accuracy: float = -1.0, versions: dict | None = None) -> LoopState:
+def run_iterations(step: Callable, evaluate: Callable, spec: RunSpec, origin: PolicyRef, start: PolicyRef, first: int,
+                   end: int, last: int, eval_every: int, lag: int, accuracy: float = -1.0,
+                   versions: dict | None = None) -> LoopState:
     """Iterations first..end from `start` (of the run that began at `origin`; `last` is the run's
     last iteration), evaluating as `evaluates` says. `step(policy, generator, iteration)` runs one
     iteration (`one_iteration` over the caller's stages, or a Flyte sub-workflow) and returns (new

@@ -84,10 +84,11 @@ def agentic_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset:
     accuracy = evaluate_episodes(spec=spec, policy=start) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
     policy, accuracy, samples = run_iterations(
-        lambda policy, _generator, it: agentic_iteration(spec=spec, policy=policy, reference=reference, dataset=dataset,
-                                                         iteration=it),
-        lambda policy: evaluate_episodes(spec=spec, policy=policy),
-        spec, start, start, dataset, start.version + 1, end, last, eval_every, 0, accuracy)
+        step=lambda policy, _generator, it: agentic_iteration(spec=spec, policy=policy, reference=reference,
+                                                              dataset=dataset, iteration=it),
+        evaluate=lambda policy: evaluate_episodes(spec=spec, policy=policy),
+        spec=spec, origin=start, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
+        lag=0, accuracy=accuracy)  # episodes are sampled on-policy: no lag
     if end < last:
         return agentic_loop(spec=spec, start=policy, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return LoopOut(policy=policy, accuracy=accuracy, samples=samples)

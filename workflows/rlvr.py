@@ -76,10 +76,11 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
                 accuracy = chunk_accuracy
     else:
         policy, accuracy, samples = run_iterations(
-            lambda policy, generator, it: rl_iteration(spec=spec, policy=policy, generator=generator, reference=reference,
-                                                       dataset=dataset, iteration=it),
-            lambda policy: evaluate(spec=spec, policy=policy, dataset=dataset),
-            spec, origin, start, dataset, start.version + 1, end, last, eval_every, cfg.pipeline.off_policy_steps, accuracy)
+            step=lambda policy, generator, it: rl_iteration(spec=spec, policy=policy, generator=generator,
+                                                            reference=reference, dataset=dataset, iteration=it),
+            evaluate=lambda policy: evaluate(spec=spec, policy=policy, dataset=dataset),
+            spec=spec, origin=origin, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
+            lag=cfg.pipeline.off_policy_steps, accuracy=accuracy)
     if end < last:
         return rl_loop(spec=spec, origin=origin, start=policy, reference=reference, dataset=dataset, last=last,
                        eval_every=eval_every)
