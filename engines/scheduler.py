@@ -13,7 +13,7 @@ Where it departs from DAPO: DAPO regenerates whole batches until enough groups p
 is a chunk of prompts, so the batch fills as soon as enough groups pass and the rest is aborted.
 
 Pure Python over two small Protocols (no Ray, no Flyte): tasks/ adapts Ray actors to them
-(tasks/rollout.py `RayGeneration`, tasks/scoring.py `RayRewards`); `ThreadedSide` runs either side
+(tasks/pools.py `RayGeneration`, `RayRewards`); `ThreadedSide` runs either side
 in this process (tests, local use). Determinism: given the seeds, the kept groups are the same
 from run to run when each side finishes its requests in submission order (one engine thread and one
 reward thread, as in tests/test_scheduler.py); with several parallel workers, which groups fill

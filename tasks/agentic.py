@@ -16,12 +16,13 @@ import pandas as pd
 import ray
 from flytekit import task
 
+from engines.env_manager import episode_metrics
 from infra import tracking
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import check_columns, config_of, stage
-from tasks.prepare import EVAL_SEED0, TRAIN_SEED0
-from tasks.rollout import generation_pool, rollout_sampling
+from tasks.pools import generation_pool, rollout_sampling
+from tasks.prompts import EVAL_SEED0, TRAIN_SEED0
 from tasks.types import PolicyRef, RunSpec
 
 
@@ -29,7 +30,7 @@ EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for 
 
 
 def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = None):
-    """The rollout's sampling (tasks/rollout.py `rollout_sampling`) for one reply per episode turn:
+    """The rollout's sampling (tasks/pools.py `rollout_sampling`) for one reply per episode turn:
     n=1, a newline stop when `rollout.stop` is empty, greedy (unseeded) or at `temperature`
     (default `rollout.temperature`) seeded by the iteration."""
     r = cfg.rollout
@@ -85,8 +86,6 @@ def scored_episodes(batch: pd.DataFrame) -> pd.DataFrame:
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.DataFrame:
     """B environments (seeds) x G episodes each -> one row per episode (prompt + interleaved turns)."""
-    from engines.env_manager import episode_metrics
-
     cfg = config_of(spec)
     B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
     metrics: dict[str, float] = {}
@@ -122,8 +121,6 @@ def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
     """Episodes on the fixed held-out seeds: greedy, or (env.eval_temperature > 0) sampled with one fixed
     sampling seed, plus the greedy ones as eval/greedy/*. eval/success_rate (= eval/accuracy),
     effective- and invalid-action rates, turns, return; transcripts of the first episodes as an MLflow artifact."""
-    from engines.env_manager import episode_metrics
-
     cfg = config_of(spec)
     e = cfg.env
     metrics: dict[str, float] = {}

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import os
-import re
 import shutil
 import time
 from contextlib import contextmanager, suppress
 
+import flytekit
+import numpy as np
 import pandas as pd
+from filelock import FileLock, Timeout
 from rich.console import Console
 
 from configs.schema import FlyrollConfig
 from engines.rollout_batch import COLUMNS, STAGES, Column
 from infra import ray_cluster, tracking
 from infra.store import ArtifactStore
+from tasks.keys import parse_version_name, rollout_table_key, series_version
 from tasks.types import RunSpec
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -26,7 +30,15 @@ _SHOWN = ("rollout/response_length", "rollout/truncated_frac", "reward/mean", "r
 
 
 def config_of(spec: RunSpec) -> FlyrollConfig:
-    return FlyrollConfig.model_validate_json(spec.config_json)
+    """The run's config, parsed once per process (and config): every stage, actor and helper that
+    asks gets the same object. It is frozen (pydantic `frozen=True`); its dict and list fields are
+    copied by whoever needs their own (`dict(cfg.reward.functions)`), never changed in place."""
+    return _parsed(spec.config_json)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(config_json: str) -> FlyrollConfig:
+    return FlyrollConfig.model_validate_json(config_json)
 
 
 def store_of(spec: RunSpec) -> ArtifactStore:
@@ -58,8 +70,6 @@ def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
     same version at once): a file lock per version (`.locks/` in the cache folder; the empty lock
     files stay) makes one of them fetch while the others wait, so none reads a file another is
     still writing."""
-    from filelock import FileLock
-
     skip = tuple(skip)
     if skip not in _CACHED:
         raise ValueError(f"fetch_cached: skip must be one of {list(_CACHED)}, got {skip!r}")
@@ -82,9 +92,6 @@ def _lock_path(spec: RunSpec, key: str) -> str:
     return os.path.join(folder, key.replace("/", "__") + ".lock")
 
 
-_RUN_VERSION = re.compile(r"(runs/.+)/v(\d+)")
-
-
 def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
     """Delete the local copies of the versions of `key`'s series older than the one before `key`
     (the store keeps every version: a later fetch of one gets it again). A run's checkpoints are
@@ -93,18 +100,17 @@ def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
     model (`models/...`, the reference) stays. A version whose lock another process holds (it is
     fetching that version right now, e.g. a generator lagging `pipeline.off_policy_steps` behind) is
     left alone; a later fetch evicts it. Returns the folders deleted."""
-    from filelock import FileLock, Timeout
-
-    m = _RUN_VERSION.fullmatch(key)
-    if not m:
+    parsed = series_version(key)
+    if parsed is None:
         return []
-    folder, version = os.path.join(cache_dir(spec), m.group(1)), int(m.group(2))
+    series, version = parsed
+    folder = os.path.join(cache_dir(spec), series)
     deleted = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        old = re.fullmatch(r"v(\d+)", name)
-        if not (old and int(old.group(1)) < version - 1):
+        old = parse_version_name(name)
+        if not (old is not None and old < version - 1):
             continue
-        lock = FileLock(_lock_path(spec, f"{m.group(1)}/{name}"))
+        lock = FileLock(_lock_path(spec, f"{series}/{name}"))
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -123,17 +129,10 @@ def evict_older_versions(spec: RunSpec, key: str) -> list[str]:
 
 def execution_id() -> str:
     try:
-        import flytekit
-
         eid = flytekit.current_context().execution_id
         return f"{eid.project}:{eid.domain}:{eid.name}"
     except Exception:  # noqa: BLE001 -- outside a Flyte task
         return "none"
-
-
-def rollout_table_key(spec: RunSpec, iteration: int) -> str:
-    """Where the reference stage publishes iteration `iteration`'s complete rollout table."""
-    return f"runs/{spec.run_id}/rollouts/i{iteration:04d}"
 
 
 def iteration_run(spec: RunSpec, iteration: int, tags: dict[str, str] | None = None) -> str:
@@ -211,8 +210,6 @@ def _short(v) -> str:
 
 def _element_ok(x, kind: str) -> bool:
     """Is scalar `x` of `kind` ("int", "float", "bool", "str")? Bools are not numbers here."""
-    import numpy as np
-
     if kind == "str":
         return isinstance(x, str)
     if kind == "bool":
@@ -224,8 +221,6 @@ def _element_ok(x, kind: str) -> bool:
 
 def _dtype_mismatch(s: pd.Series, col: Column) -> str | None:
     """What is wrong with column `s` for its declaration `col`, as "<found> (<where>)"; None when it fits."""
-    import numpy as np
-
     nulls = s.isna() if not col.dtype.startswith("list") else s.map(lambda v: v is None or (isinstance(v, float) and v != v))
     if col.nullable and bool(nulls.all()):
         return None

@@ -8,12 +8,15 @@ import pandas as pd
 import ray
 from flytekit import task
 
+from engines.datasets import encode_nested
+from engines.evaluation import eval_metrics, sampled_metrics
 from infra import decks, tracking
 from infra.ray_session import is_local_execution, shutdown
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import config_of, console, stage
-from tasks.rollout import generation_pool, read_table
+from tasks.pools import generation_pool, score_table
+from tasks.prompts import read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
@@ -26,8 +29,6 @@ def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
     reasoning-gym generator) at step=policy.version, and with loop.eval_samples = k, eval/pass_at_k and
     eval/sampled_accuracy. Rows are scored by the scoring stage's own `score_table` (the run's reward
     workers, routing and model rewards), so eval gives each row the reward training would."""
-    from engines.evaluation import eval_metrics, sampled_metrics
-
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "evaluation", policy.version, metrics):
@@ -47,10 +48,7 @@ def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
 
 
 def _scored(spec: RunSpec, rows: pd.DataFrame) -> pd.DataFrame:
-    """`rows` plus reward and reward_error from the scoring stage's own `score_table`."""
-    from engines.datasets import encode_nested
-    from tasks.scoring import score_table
-
+    """`rows` plus reward and reward_error from the scoring stage's own `score_table` (tasks/pools.py)."""
     rewards, errors = score_table(spec, encode_nested(rows))  # tests/metadata as JSON text, as a rollout table
     rows["reward"] = rewards
     rows["reward_error"] = pd.Series(errors, index=rows.index, dtype=object)

@@ -2,7 +2,7 @@
 
 Each stage task of workflows/rlvr.py runs on its own Ray cluster. On a Flyte cluster that costs,
 per stage and iteration, a Ray cluster start, the engine actors' start and a model load from the
-store. The fused task runs the same stage bodies one after another on one cluster that holds every
+store. The fused task runs the same stage bodies, in the same recipe (tasks/recipe.py), one after another on one cluster that holds every
 stage's nodes (`infra.resources.fused_ray_job`): the engine actors are created once, stay warm, and
 the generators take each new policy in place (tasks/weight_sync.py, `ray.is_initialized()`).
 Nothing else changes: every iteration publishes its policy and rollout table, registers the model
@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import io
 import typing
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pandas as pd
 from flytekit import task
 
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
+from tasks.common import config_of
 from tasks.evaluation import evaluate
+from tasks.recipe import Stages, generator_policy, one_iteration, run_iterations
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
 from tasks.scoring import score
@@ -50,66 +53,48 @@ def _between_tasks(df: pd.DataFrame) -> pd.DataFrame:
     return pd.read_parquet(io.BytesIO(buf.getvalue()))
 
 
-def evaluates(iteration: int, last: int, eval_every: int) -> bool:
-    """Whether the loop evaluates after `iteration` (workflows/rlvr.py `rl_loop` uses the same rule)."""
-    return iteration % eval_every == 0 or iteration == last
-
-
-def generator_policy(spec: RunSpec, origin: PolicyRef, versions: dict, iteration: int, lag: int) -> PolicyRef:
-    """The policy iteration `iteration`'s rollout samples with (`pipeline.off_policy_steps` = `lag`):
-    version iteration-1-lag -- the one its update starts from when lag is 0 -- but not older than
-    the run's `origin`; from `versions` (this loop's policies by version; Flyte promises in
-    workflows/rlvr.py) when there, else its published key (a resumed or chunked loop)."""
-    from tasks.training import policy_key
-
-    version = max(iteration - 1 - lag, origin.version)
-    if version in versions:
-        return versions[version]
-    if version == origin.version:
-        return origin
-    return PolicyRef(key=policy_key(spec, version), version=version)
-
-
 @task(task_config=ray_job("fused"), **task_resources("fused"))
 def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef,
                      first: int, count: int, last: int, eval_every: int) -> FusedOut:
     """Iterations first..first+count-1 from `policy` (of the run that began at `origin`); returns the
     last policy, the accuracy of the last evaluation in the chunk (-1.0 when none), and the last
     iteration's scored table."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tasks.common import config_of
-
     lag = config_of(spec).pipeline.off_policy_steps
-    accuracy, samples, versions = -1.0, pd.DataFrame(), {policy.version: policy}
-
-    def sample(it: int):
-        generator = generator_policy(spec, origin, versions, it, lag)
-        return generator, _between_tasks(rollout.task_function(spec=spec, policy=generator, dataset=dataset, iteration=it))
-
+    end = first + count - 1
+    versions: dict = {}  # this chunk's policies by version (tasks/recipe.py `run_iterations` fills it)
     # with a lag the next iteration's sampler is already published, so its rollout runs on the
     # generation actors while this iteration scores, runs the reference forward and trains
     ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyroll-rollout") if lag > 0 else None
-    pending = None  # the next iteration's rollout (a Future), sampled ahead
+    pending: dict[int, Future] = {}  # the next iteration's rollout, sampled ahead
+
+    def sample(generator: PolicyRef, it: int) -> pd.DataFrame:
+        return _between_tasks(rollout.task_function(spec=spec, policy=generator, dataset=dataset, iteration=it))
+
+    def rollout_ahead(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
+        batch = pending.pop(iteration).result() if iteration in pending else sample(policy, iteration)
+        if ahead is not None and iteration < end:
+            pending[iteration + 1] = ahead.submit(sample, generator_policy(spec, origin, versions, iteration + 1, lag),
+                                                  iteration + 1)
+        return batch
+
+    def evaluate_after(policy: PolicyRef) -> float:
+        for f in pending.values():
+            f.result()  # the evaluation loads its policy into the same generation actors
+        return evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
+
+    stages = Stages(
+        rollout=rollout_ahead,
+        score=lambda **kw: _between_tasks(score.task_function(**kw)),
+        reference_forward=lambda **kw: _between_tasks(reference_forward.task_function(**kw)),
+        # the training actors live on to the next iteration of this task; the last one's checkpoint
+        # holds the trainer state (checkpoint.optimizer_every: tasks/replay.py)
+        train=lambda **kw: train.task_function(**kw, actor_kept=kw["iteration"] < end),
+        publish_weights=publish_weights.task_function)
     try:
-        for it in range(first, first + count):
-            generator, batch = pending.result() if pending is not None else sample(it)
-            pending = ahead.submit(sample, it + 1) if ahead is not None and it + 1 < first + count else None
-            samples = _between_tasks(score.task_function(spec=spec, batch=batch, iteration=it))
-            full = _between_tasks(reference_forward.task_function(spec=spec, batch=samples, policy=policy,
-                                                                  reference=reference, iteration=it, generator=generator))
-            # the training actors live on to the next iteration of this task; the last one's checkpoint
-            # holds the trainer state (checkpoint.optimizer_every: tasks/replay.py)
-            checkpoint = train.task_function(spec=spec, batch=full, policy=policy, iteration=it,
-                                             actor_kept=it < first + count - 1)
-            policy = publish_weights.task_function(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset,
-                                                   iteration=it)
-            versions[it] = policy
-            if evaluates(it, last, eval_every):
-                if pending is not None:
-                    pending.result()  # the evaluation loads its policy into the same generation actors
-                accuracy = evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
+        return FusedOut(*run_iterations(
+            step=lambda p, generator, it: one_iteration(stages, spec, p, generator, reference, dataset, it),
+            evaluate=evaluate_after, spec=spec, origin=origin, start=policy, first=first, end=end, last=last,
+            eval_every=eval_every, lag=lag, versions=versions))
     finally:
         if ahead is not None:
             ahead.shutdown(wait=True, cancel_futures=True)
-    return FusedOut(policy=policy, accuracy=accuracy, samples=samples)

@@ -2,7 +2,7 @@
 carried from the previous iteration, the prompt stream, the generation actors, and the carry that
 survives the task in the artifact store. The round bookkeeping is engines/partial_rollout.py.
 
-The carry of iteration i is a versioned artifact `runs/<run_id>/rollout_carry/iNNNN` (`carry_key`):
+The carry of iteration i is a versioned artifact `runs/<run_id>/rollout_carry/iNNNN` (tasks/keys.py `carry_key`):
 `carry.parquet` (the carried samples: the rollout columns plus `policy_versions` and
 `stream_position`; nested prompt fields as JSON text) and `stream.json` ({"iteration", "next_position":
 the prompt stream's next position}); first parent the policy that generated this iteration's segments.
@@ -20,22 +20,21 @@ import tempfile
 import pandas as pd
 import ray
 
+from engines.datasets import decode_nested, encode_nested
+from engines.partial_rollout import partial_rollout
+from infra.store import sha256_file
 from tasks.common import config_of, execution_id, store_of
+from tasks.keys import carry_key
+from tasks.pools import generate_groups, generate_sharded, rollout_sampling
+from tasks.prompts import stream_prompts
 from tasks.types import PolicyRef, RunSpec
 
 _LISTS = {"prompt_token_ids": int, "response_token_ids": int, "behaviour_logprobs": float, "policy_versions": int}
 
 
-def carry_key(spec: RunSpec, iteration: int) -> str:
-    """Where the rollout task of `iteration` publishes the samples it carries into the next one."""
-    return f"runs/{spec.run_id}/rollout_carry/i{iteration:04d}"
-
-
 def read_carry(spec: RunSpec, iteration: int) -> tuple[list[dict], int]:
     """(samples carried into `iteration`, the prompt stream's position): nothing and 0 for the run's
     first iteration; else iteration-1's carry, which must exist."""
-    from engines.datasets import decode_nested
-
     if iteration <= 1:
         return [], 0
     store, key = store_of(spec), carry_key(spec, iteration - 1)
@@ -62,16 +61,12 @@ def read_carry(spec: RunSpec, iteration: int) -> tuple[list[dict], int]:
 def publish_carry(spec: RunSpec, rows: list[dict], position: int, policy: PolicyRef, iteration: int) -> str:
     """Publish iteration `iteration`'s carry (see the module docstring); a different one already there
     (an earlier attempt of this iteration) is replaced."""
-    from engines.datasets import encode_nested
-
     store, key = store_of(spec), carry_key(spec, iteration)
     with tempfile.TemporaryDirectory() as d:
         encode_nested(pd.DataFrame(rows)).to_parquet(os.path.join(d, "carry.parquet"), index=False)
         with open(os.path.join(d, "stream.json"), "w") as f:
             json.dump({"iteration": iteration, "next_position": position}, f, sort_keys=True)
         if store.exists(key):
-            from infra.store import sha256_file
-
             files = store.manifest(key).files
             if {n: sha256_file(os.path.join(d, n)) for n in os.listdir(d)} != {n: e.sha256 for n, e in files.items()}:
                 store.delete(key)
@@ -85,10 +80,6 @@ def partial_batch(spec: RunSpec, workers: list, policy: PolicyRef, train: pd.Dat
     """(the rollout table of `iteration`, metrics): engines/partial_rollout.py `partial_rollout` over
     the generation actors (serving `policy`), from iteration-1's carry; publishes this iteration's.
     Seeds: the rollout's seed (run seed, iteration) plus an offset per round and call."""
-    from engines.datasets import encode_nested
-    from engines.partial_rollout import partial_rollout
-    from tasks.rollout import generate_groups, generate_sharded, rollout_sampling, stream_prompts
-
     cfg = config_of(spec)
     r = cfg.rollout
     seed = cfg.run.seed * 100_003 + iteration

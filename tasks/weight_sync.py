@@ -11,8 +11,6 @@ generation actors are told to update their weights in place right away (no engin
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import ray
 from flytekit import task
@@ -21,9 +19,11 @@ from flytekit.types.directory import FlyteDirectory
 from infra import tracking
 from infra.resources import task_resources
 from infra.store import ArtifactNotFound, CorruptArtifact
-from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, rollout_table_key, stage, store_of
+from tasks.checkpoints import discard_scratch_checkpoint
+from tasks.common import TRAINER_STATE, config_of, execution_id, iteration_run, stage, store_of
+from tasks.keys import policy_key, rollout_table_key
+from tasks.pools import generation_pool
 from tasks.replay import DEFERRED
-from tasks.training import CHECKPOINT_SCRATCH_PREFIX, policy_key
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
@@ -62,8 +62,6 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         # (with pipeline.off_policy_steps the generators serve an older version: each rollout loads its own)
         if ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0:
             try:
-                from tasks.rollout import generation_pool
-
                 generation_pool(spec, PolicyRef(key=key, version=iteration))
             except ValueError:
                 pass
@@ -100,16 +98,3 @@ def prune_trainer_states(store, spec: RunSpec, iteration: int, keep: int) -> str
             store.prune(policy_key(spec, old), [TRAINER_STATE], reason=f"run.keep_trainer_states={keep}")
             newest = newest or policy_key(spec, old)
     return newest
-
-
-def discard_scratch_checkpoint(path: str) -> None:
-    """Delete `train`'s local scratch copy once the store holds the published one.
-
-    A local Flyte run hands the FlyteDirectory over by path (no copy), so without this every
-    iteration would leave its checkpoint behind in the temp folder (1.6 GB for SmolLM2 with its
-    optimizer state). Only folders `train` made are touched; a remote run's path is an object-store
-    URI and the pod's download dies with the pod."""
-    name = os.path.basename(os.path.normpath(path))
-    if os.path.isdir(path) and name.startswith(CHECKPOINT_SCRATCH_PREFIX) and \
-            os.path.dirname(os.path.normpath(path)) == os.path.normpath(tempfile.gettempdir()):
-        shutil.rmtree(path, ignore_errors=True)

@@ -10,12 +10,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+import typing
 
 import ray
 
-from configs.schema import TrainingConfig
-from engines.algorithms.config import AlgorithmConfig
-from engines.rollout_batch import RolloutBatch
+# Everything else is imported inside the actors' methods, on purpose: an actor's process sets its torch
+# threads (`_engine_process`) before torch and the engines load, and a driver importing this module
+# (to create the actors) loads none of them.
+
+if typing.TYPE_CHECKING:  # annotations only (the actors import at run time, inside their methods)
+    from configs.schema import TrainingConfig
+    from engines.algorithms.config import AlgorithmConfig
+    from engines.rollout_batch import RolloutBatch
 
 
 def capped_threads(n: int) -> int:
@@ -417,6 +423,7 @@ class TrainWorker:
         is False: critic warmup) on a scored table, objective state included; returns its metrics.
         `algorithm`, `training`: the config's AlgorithmConfig and TrainingConfig. Writes nothing."""
         from engines.rl_step import train_update
+        from engines.rollout_batch import RolloutBatch
 
         batch = RolloutBatch.from_table(table, self.tokenizer.pad_token_id)  # the one conversion
         metrics, self.algo_state = train_update(

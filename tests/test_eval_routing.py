@@ -1,6 +1,6 @@
 """Evaluation scores every row with the reward training gives it: the same routing (reward.functions,
 metadata.reward_fn, the domain) through the same function. Training's score is taken from the
-scoring stage itself (`tasks.scoring.score_table` in real Ray reward workers), eval's from
+scoring stage itself (`tasks.pools.score_table` in real Ray reward workers), eval's from
 `engines.evaluation.evaluate`, on the same responses."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def ray_local():
 def training_rewards(tmp_path, cfg, rows: pd.DataFrame) -> list[float]:
     """What the scoring stage gives `rows` (columns domain, response, prompt, answer, metadata) under `cfg`."""
     from engines.datasets import encode_nested
-    from tasks.scoring import score_table
+    from tasks.pools import score_table
     from tasks.types import RunSpec
 
     spec = RunSpec(cfg.to_json(), cfg.hash(), f"evalroute{os.getpid()}", str(tmp_path), "", "")

@@ -130,7 +130,7 @@ def test_replay_rebuilds_a_deferred_version_exactly(lean_run, tmp_path, monkeypa
     from safetensors.torch import load as load_safetensors
 
     from configs.schema import load_config
-    from tasks.common import rollout_table_key
+    from tasks.keys import rollout_table_key
     from tasks.replay import update_args
     from tasks.types import RunSpec
     from tasks.workers import TrainWorker

@@ -156,7 +156,8 @@ def _spec(tmp_path, **rollout):
 
 
 def test_the_carry_is_published_read_back_replaced_by_a_rerun_and_never_silently_missing(tmp_path):
-    from tasks.partial_rollout import carry_key, publish_carry, read_carry
+    from tasks.keys import carry_key
+    from tasks.partial_rollout import publish_carry, read_carry
     from tasks.types import PolicyRef
 
     spec, policy = _spec(tmp_path), PolicyRef(key="models/base", version=0)
@@ -182,13 +183,15 @@ def test_one_split_through_the_real_actors_is_todays_rollout_table(tmp_path, mon
     import tasks.rollout
     from infra.ray_session import shutdown
     from tasks.fused import _between_tasks
+    from tasks.pools import generation_pool
+    from tasks.prompts import read_table
     from tasks.partial_rollout import partial_batch, read_carry
     from tests.support.rollout import _parity_rollout_run
 
     spec, policy, dataset = _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, "plain", {})
     try:
         theirs = [tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=i) for i in (1, 2)]
-        workers, train = tasks.rollout.generation_pool(spec, policy), tasks.rollout.read_table(spec, dataset.train_key)
+        workers, train = generation_pool(spec, policy), read_table(spec, dataset.train_key)
         ours = [partial_batch(spec, workers, policy, train, i) for i in (1, 2)]
     finally:
         shutdown()
@@ -209,7 +212,7 @@ def test_pyflyte_run_carries_unfinished_samples_across_iterations(tmp_path):
     import json
 
     from infra.store import ArtifactStore
-    from tasks.rollout import stream_prompts
+    from tasks.prompts import stream_prompts
     from tests.support.workflow import _config, _mlflow, _pyflyte_run
 
     config = _config(tmp_path, rollout={"partial_rollout_max_split": 3}, algorithm={"tis_cap": 2.0},

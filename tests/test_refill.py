@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling: refill draws (tasks/scoring.py `refill_prompts`) follow `data.domain_weights`, and the
+"""DAPO dynamic sampling: refill draws (tasks/prompts.py `refill_prompts`) follow `data.domain_weights`, and the
 rollout scheduler (engines/scheduler.py) runs in the rollout task over the Ray actors."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def _train() -> pd.DataFrame:
 
 
 def test_refills_follow_the_domain_weights():
-    from tasks.scoring import refill_prompts
+    from tasks.prompts import refill_prompts
 
     train = _train()
     cfg = parse_config({"data": {"domain_weights": {"a": 3, "b": 1, "c": 0}}})
@@ -28,8 +28,8 @@ def test_refills_follow_the_domain_weights():
 
 
 def test_refills_without_weights_are_unchanged():
-    from tasks.rollout import iteration_prompts
-    from tasks.scoring import refill_prompts
+    from tasks.prompts import iteration_prompts
+    from tasks.prompts import refill_prompts
 
     train, cfg = _train(), parse_config({"run": {"seed": 3}})
     assert refill_prompts(cfg, train, 8, 5, 1).equals(iteration_prompts(train, 8, 5, 3 + 7919))
@@ -44,6 +44,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     the fit); the scoring task creates no generation actor and passes the scored table through."""
     import yaml
 
+    import tasks.pools
     import tasks.rollout
     import tasks.scoring
     from infra import tracking
@@ -61,7 +62,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
 
     created, current = [], ["?"]
-    for module in (tasks.rollout, tasks.scoring):
+    for module in (tasks.pools,):  # the actor pools of every stage (tasks/pools.py)
         def recording(cls, role, *args, _real=module.actor_pool, **kwargs):
             created.append((current[0], role))
             return _real(cls, role, *args, **kwargs)

@@ -91,7 +91,7 @@ def test_code_scores_say_which_isolation_ran_them(pool):
     back = pickle.loads(pickle.dumps(out[0]))          # crosses Ray as a pickle
     assert type(back) is Scored and back.isolation == out[0].isolation and tuple(back) == (1.0, None)
     try:
-        from tasks.scoring import ScoredList, reward_metrics, with_rewards
+        from tasks.pools import ScoredList, reward_metrics, with_rewards
     except ImportError as e:        # tasks/ needs flytekit and ray
         pytest.skip(f"tasks.scoring not importable: {e}")
     df = pd.DataFrame({"domain": ["code", "code", "arithmetic"], "group_id": [0, 0, 1],

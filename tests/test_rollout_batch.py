@@ -43,8 +43,8 @@ def rlvr(tiny_policy) -> dict[str, pd.DataFrame]:
     from engines.modeling import encode_prompts
     from engines.generation import HFGenerationEngine, SamplingParams
     from tasks.reference import with_logprobs
-    from tasks.rollout import completion_rows
-    from tasks.scoring import with_rewards
+    from tasks.pools import completion_rows
+    from tasks.pools import with_rewards
 
     model, tok = tiny_policy
     prompts = pd.DataFrame({"prompt_id": ["train-0", "train-1"], "domain": ["math", "code"], "prompt": ["1+1=", "def f():"],
@@ -52,7 +52,7 @@ def rlvr(tiny_policy) -> dict[str, pd.DataFrame]:
     ids = encode_prompts(tok, prompts["prompt"].tolist())
     completions = HFGenerationEngine(model, tok).generate(ids, SamplingParams(n=2, max_new_tokens=6, seed=0))
     groups = completion_rows([prompts.iloc[i] for i in range(len(prompts))], ids, completions, version=3, iteration=1)
-    rollout = encode_nested(pd.DataFrame([r for g in groups for r in g]))  # as tasks/rollout.py sample_groups
+    rollout = encode_nested(pd.DataFrame([r for g in groups for r in g]))  # as tasks/pools.py sample_groups
     scored = with_rewards(rollout, [1.0, 0.0, 0.5, 0.0], [None, "reward raised: boom", None, None])
     old = _recomputed_logprobs(model, tok, scored)
     full = with_logprobs(scored, old, old, values=[[0.1] * len(r) for r in old])
@@ -192,7 +192,7 @@ def test_update_tensors_come_from_one_conversion(rlvr, tiny_policy):
 def test_sampling_settings_are_read_in_one_place(tmp_path):
     from configs.schema import parse_config
     from tasks.agentic import _params
-    from tasks.rollout import RayGeneration, rollout_sampling
+    from tasks.pools import RayGeneration, rollout_sampling
     from tasks.types import RunSpec
 
     cfg = parse_config({"rollout": {"samples_per_prompt": 3, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12,
@@ -206,4 +206,4 @@ def test_sampling_settings_are_read_in_one_place(tmp_path):
     assert _params(cfg, greedy=True) == replace(params, n=1, temperature=0.0, seed=None)
     assert _params(parse_config({}), greedy=True).stop == ("\n",)  # agentic turns end at a newline by default
     constructions = {p.name: p.read_text().count("SamplingParams(") for p in (REPO / "tasks").glob("*.py")}
-    assert {k: v for k, v in constructions.items() if v} == {"rollout.py": 1}
+    assert {k: v for k, v in constructions.items() if v} == {"pools.py": 1}

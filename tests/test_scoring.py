@@ -32,7 +32,7 @@ def _spec(tmp_path, workers: int) -> RunSpec:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_rewards_cost_only_their_sample(ray_local, tmp_path, workers):
-    from tasks.scoring import score_table
+    from tasks.pools import score_table
 
     domains = ["ok", "boom", "ok", "hang", "ok", "crash", "ok", "arithmetic", "ok"]
     df = pd.DataFrame({"domain": domains, "response": ["7"] * len(domains), "prompt": ["3+4="] * len(domains),
@@ -47,7 +47,7 @@ def test_bad_rewards_cost_only_their_sample(ray_local, tmp_path, workers):
 
 
 def test_unknown_reward_function_is_named(ray_local, tmp_path):
-    from tasks.scoring import score_table
+    from tasks.pools import score_table
 
     df = pd.DataFrame({"domain": ["nosuch"], "response": ["x"], "prompt": ["p"], "answer": ["a"]})
     rewards, errors = score_table(_spec(tmp_path, 1), df)

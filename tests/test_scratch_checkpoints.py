@@ -8,8 +8,7 @@ import os
 import subprocess
 import sys
 
-from tasks.training import reap_orphan_checkpoints, scratch_checkpoint_dir
-from tasks.weight_sync import discard_scratch_checkpoint
+from tasks.checkpoints import discard_scratch_checkpoint, reap_orphan_checkpoints, scratch_checkpoint_dir
 
 
 def _dead_pid() -> int:

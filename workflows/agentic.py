@@ -5,13 +5,18 @@
     pyflyte run workflows/agentic.py agentic --config configs/tool_math.yaml
 
 One iteration: episodes in the environment (rollout), environment returns as rewards (scoring),
-reference forward, training (loss only on the policy's own tokens), weight sync -- the same
-reference/training/weight-sync tasks and lineage as RLVR. Evaluation plays fixed held-out seeds
+reference forward, training (loss only on the policy's own tokens), weight sync -- the recipe of
+RLVR (tasks/recipe.py `one_iteration`, `run_iterations`) with the same reference/training/weight-sync
+tasks and lineage. Evaluation plays fixed held-out seeds
 greedily: success rate, effective- and invalid-action rates, turns, return.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import typing
 import warnings
 
@@ -22,7 +27,9 @@ from infra.resources import task_resources
 from tasks.agentic import evaluate_episodes, rollout_episodes, score_episodes
 from tasks.common import config_of, execution_id, store_of
 from tasks.evaluation import finalize
-from tasks.prepare import EVAL_SEED0, bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
+from tasks.prepare import bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
+from tasks.prompts import EVAL_SEED0
+from tasks.recipe import Stages, one_iteration, run_iterations
 from tasks.reference import reference_forward
 from tasks.training import train
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -36,14 +43,21 @@ IterationOut = typing.NamedTuple("IterationOut", [("policy", PolicyRef), ("sampl
 LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
 
 
+def _episodes(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int):
+    """The rollout stage of the recipe: episodes come from the environment's seeds, not from `dataset`."""
+    return rollout_episodes(spec=spec, policy=policy, iteration=iteration)
+
+
+AGENTIC = Stages(rollout=_episodes,                    # B seeds x G episodes
+                 score=score_episodes,                 # + reward (returns)
+                 reference_forward=reference_forward,  # + reference and old log-probs
+                 train=train,                          # loss on policy tokens
+                 publish_weights=publish_weights)
+
+
 @task(**task_resources("weight_sync"))
 def env_dataset(spec: RunSpec) -> DatasetRef:
     """The environment and its fixed held-out seeds as a versioned 'dataset' (lineage of what was evaluated)."""
-    import hashlib
-    import json
-    import os
-    import tempfile
-
     cfg = config_of(spec)
     e = cfg.env
     version = hashlib.sha256(json.dumps(e.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
@@ -61,23 +75,20 @@ def env_dataset(spec: RunSpec) -> DatasetRef:
 
 @workflow
 def agentic_iteration(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, iteration: int) -> IterationOut:
-    batch = rollout_episodes(spec=spec, policy=policy, iteration=iteration)                    # B seeds x G episodes
-    scored = score_episodes(spec=spec, batch=batch, iteration=iteration)                        # + reward (returns)
-    full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration)
-    checkpoint = train(spec=spec, batch=full, policy=policy, iteration=iteration)               # loss on policy tokens
-    new_policy = publish_weights(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset, iteration=iteration)
+    new_policy, scored = one_iteration(AGENTIC, spec, policy, policy, reference, dataset, iteration)  # on-policy episodes
     return IterationOut(policy=new_policy, samples=scored)
 
 
 @dynamic(**task_resources("weight_sync"))
 def agentic_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int, eval_every: int) -> LoopOut:
-    policy, samples = start, pd.DataFrame()
     accuracy = evaluate_episodes(spec=spec, policy=start) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
-    for it in range(start.version + 1, end + 1):
-        policy, samples = agentic_iteration(spec=spec, policy=policy, reference=reference, dataset=dataset, iteration=it)
-        if it % eval_every == 0 or it == last:
-            accuracy = evaluate_episodes(spec=spec, policy=policy)
+    policy, accuracy, samples = run_iterations(
+        step=lambda policy, _generator, it: agentic_iteration(spec=spec, policy=policy, reference=reference,
+                                                              dataset=dataset, iteration=it),
+        evaluate=lambda policy: evaluate_episodes(spec=spec, policy=policy),
+        spec=spec, origin=start, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
+        lag=0, accuracy=accuracy)  # episodes are sampled on-policy: no lag
     if end < last:
         return agentic_loop(spec=spec, start=policy, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
     return LoopOut(policy=policy, accuracy=accuracy, samples=samples)

@@ -5,7 +5,8 @@
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml --restart   # start a new run instead of resuming
 
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
-weight sync -- each with its own resources and Ray cluster. `rl_loop` (a bounded @dynamic) chains
+weight sync -- each with its own resources and Ray cluster, in the order tasks/recipe.py
+`one_iteration` writes once for every loop (this one, workflows/agentic.py and the fused task). `rl_loop` (a bounded @dynamic) chains
 iterations from a start version, evaluating at the start, every `loop.eval_every` iterations and at
 the end; runs longer than CHUNK iterations continue in a nested `rl_loop`. With `loop.fuse: N` it
 runs N iterations at a time in one task on one Ray cluster instead (tasks/fused.py). A rerun of the same
@@ -23,8 +24,9 @@ from flytekit import dynamic, workflow
 from infra.resources import task_resources
 from tasks.common import config_of
 from tasks.evaluation import evaluate, finalize
-from tasks.fused import evaluates, fused_iterations, generator_policy
+from tasks.fused import fused_iterations
 from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
+from tasks.recipe import Stages, evaluates, one_iteration, run_iterations
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
 from tasks.scoring import score
@@ -40,17 +42,19 @@ CHUNK = 25  # iterations per @dynamic node; longer runs recurse, keeping each ge
 IterationOut = typing.NamedTuple("IterationOut", [("policy", PolicyRef), ("samples", pd.DataFrame)])
 LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
 
+RLVR = Stages(rollout=rollout,                      # B prompts x G samples
+              score=score,                          # + reward (DAPO: already in rollout)
+              reference_forward=reference_forward,  # + reference and old log-probs (and values)
+              train=train,                          # actor (and critic) update -> checkpoint
+              publish_weights=publish_weights)      # new policy version; generators take it
+
 
 @workflow
 def rl_iteration(spec: RunSpec, policy: PolicyRef, generator: PolicyRef, reference: PolicyRef, dataset: DatasetRef,
                  iteration: int) -> IterationOut:
     """Update `policy` on samples from `generator` (= `policy`, or an older version with
     pipeline.off_policy_steps; a Flyte cluster then runs this rollout beside the previous update)."""
-    batch = rollout(spec=spec, policy=generator, dataset=dataset, iteration=iteration)         # B x G samples
-    scored = score(spec=spec, batch=batch, iteration=iteration)                                 # + reward (DAPO: in rollout)
-    full = reference_forward(spec=spec, batch=scored, policy=policy, reference=reference, iteration=iteration, generator=generator)
-    checkpoint = train(spec=spec, batch=full, policy=policy, iteration=iteration)              # actor update
-    new_policy = publish_weights(spec=spec, checkpoint=checkpoint, parent=policy, dataset=dataset, iteration=iteration)
+    new_policy, scored = one_iteration(RLVR, spec, policy, generator, reference, dataset, iteration)
     return IterationOut(policy=new_policy, samples=scored)
 
 
@@ -59,29 +63,24 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
             eval_every: int) -> LoopOut:
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`."""
     cfg = config_of(spec)
-    policy, samples = start, pd.DataFrame()
     accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
-    versions = {start.version: start}  # the policies this node has, for generators that lag (off_policy_steps)
-    it = start.version + 1
-    while it <= end:
-        if cfg.loop.fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
+    if cfg.loop.fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
+        policy, samples = start, pd.DataFrame()
+        for it in range(start.version + 1, end + 1, cfg.loop.fuse):
             n = min(cfg.loop.fuse, end - it + 1)
             policy, chunk_accuracy, samples = fused_iterations(spec=spec, origin=origin, policy=policy, reference=reference,
                                                                dataset=dataset, first=it, count=n, last=last,
                                                                eval_every=eval_every)
             if any(evaluates(i, last, eval_every) for i in range(it, it + n)):
                 accuracy = chunk_accuracy
-            it += n
-            versions[it - 1] = policy
-            continue
-        generator = generator_policy(spec, origin, versions, it, cfg.pipeline.off_policy_steps)
-        policy, samples = rl_iteration(spec=spec, policy=policy, generator=generator, reference=reference,
-                                       dataset=dataset, iteration=it)
-        versions[it] = policy
-        if evaluates(it, last, eval_every):
-            accuracy = evaluate(spec=spec, policy=policy, dataset=dataset)
-        it += 1
+    else:
+        policy, accuracy, samples = run_iterations(
+            step=lambda policy, generator, it: rl_iteration(spec=spec, policy=policy, generator=generator,
+                                                            reference=reference, dataset=dataset, iteration=it),
+            evaluate=lambda policy: evaluate(spec=spec, policy=policy, dataset=dataset),
+            spec=spec, origin=origin, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
+            lag=cfg.pipeline.off_policy_steps, accuracy=accuracy)
     if end < last:
         return rl_loop(spec=spec, origin=origin, start=policy, reference=reference, dataset=dataset, last=last,
                        eval_every=eval_every)
