@@ -9,8 +9,8 @@ in the Qwen2.5 / Hermes format (``engines/tool_calls.py``) and ends the episode 
 value, 0 otherwise. A tool result comes back as ``<tool_response>...</tool_response>`` (what
 Qwen2.5's template renders for a ``tool`` message inside a user turn); a refused turn (no call and
 no answer, malformed JSON, unknown tool, wrong arguments, several calls, text around a call, a
-calculator refusal) is an invalid action (``invalid_penalty``, state unchanged) whose observation
-says what was wrong.
+calculator refusal) is an invalid action (``invalid_penalty``, state unchanged) whose observation,
+``invalid: <why>``, says what was wrong.
 
 ``describe_tools=True`` (default) puts the Hermes tool preamble (``tools_system_prompt``) into
 ``instructions``, which works with any tokenizer; a manager that renders ``tool_specs`` through the
@@ -124,7 +124,7 @@ class ToolTable:
         return f"{render_table(self.rows)}\n\n{self.question}\n"
 
     def _invalid(self, why: str) -> tuple[str, float, bool, dict]:
-        return f"error: {why}\n", self.invalid_penalty, self.done, step_info(False, False, False, error=why)
+        return f"invalid: {why}\n", self.invalid_penalty, self.done, step_info(False, False, False, error=why)
 
     def step(self, action_text: str) -> tuple[str, float, bool, dict]:
         if self.done:

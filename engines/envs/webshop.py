@@ -229,7 +229,7 @@ class WebShop:
             elif arg in {p.asin for p in self._shown()}:
                 self.page, self.asin, self.selected = "item", arg, {}
             else:
-                return self._invalid(f"{arg} is not clickable on this page")
+                return self._invalid("that is not clickable on this page")
         elif self.page == "item":
             product = self.by_asin[self.asin]
             kind = next((k for k, values in product.options if arg in values), None)
@@ -243,9 +243,9 @@ class WebShop:
                 return (f"you bought {product.title}. reward {r:.2f}\n", r, True,
                         step_info(True, True, r >= 1.0 - 1e-9, **parts))
             else:
-                return self._invalid(f"{arg} is not clickable on this page")
+                return self._invalid("that is not clickable on this page")
         else:
-            return self._invalid(f"{arg} is not clickable on this page")
+            return self._invalid("that is not clickable on this page")
         return self.render(), 0.0, False, step_info(True, self.state_key() != before, False)
 
     def state_key(self) -> str:
