@@ -40,8 +40,6 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import simpleeval
-
 from engines.sandbox import require_isolation, run_program
 
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
@@ -216,7 +214,9 @@ def _power(a, b):
     return _number(result)
 
 
-def _evaluator() -> simpleeval.SimpleEval:
+def _evaluator():
+    import simpleeval  # the `agentic` extra, like gymnasium for FrozenLake: the registry imports without it
+
     ev = simpleeval.SimpleEval(names={}, functions={})
     ev.operators = {ast.Add: _binary(operator.add), ast.Sub: _binary(operator.sub), ast.Mult: _binary(operator.mul),
                     ast.Div: _binary(operator.truediv), ast.FloorDiv: _binary(operator.floordiv),
@@ -243,9 +243,11 @@ def calculate(expression: str) -> int | float:
         raise ToolError("not an arithmetic expression") from None
     if len(tree.body) != 1:
         raise ToolError("one expression only")
+    from simpleeval import InvalidExpression
+
     try:
         return _evaluator().eval(expression, previously_parsed=tree.body[0])
-    except simpleeval.InvalidExpression as e:
+    except InvalidExpression as e:
         raise ToolError(f"only numbers and + - * / // % ** are allowed ({type(e).__name__})") from None
 
 
