@@ -10,11 +10,15 @@ from engines.envs.base import INVALID_PENALTY, MOVES, TextEnv, bfs, parse_move, 
 from engines.envs.frozenlake import FrozenLake
 from engines.envs.sokoban import Sokoban, generate_room
 from engines.envs.tool_math import ToolMath, safe_eval
+from engines.envs.tool_table import ToolTable
+from engines.envs.webshop import WebShop
 
 ENVIRONMENTS: dict[str, type] = {
     "frozenlake": FrozenLake,
     "sokoban": Sokoban,
     "tool_math": ToolMath,
+    "tool_table": ToolTable,
+    "webshop": WebShop,
 }
 
 
@@ -30,5 +34,6 @@ def make_env(name: str, **kwargs) -> TextEnv:
         raise TypeError(f"environment {name!r}: bad options {sorted(kwargs)}: {e}") from None
 
 
-__all__ = ["ENVIRONMENTS", "make_env", "TextEnv", "FrozenLake", "Sokoban", "ToolMath", "generate_room",
+__all__ = ["ENVIRONMENTS", "make_env", "TextEnv", "FrozenLake", "Sokoban", "ToolMath", "ToolTable", "WebShop",
+           "generate_room",
            "safe_eval", "parse_move", "step_info", "bfs", "MOVES", "INVALID_PENALTY"]

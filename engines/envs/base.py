@@ -4,7 +4,9 @@ reward, done, info)``, plus what the environment manager and the solvers need.
 An environment is one file in ``engines/envs/`` with one class registered in
 ``engines/envs/__init__.py``. Everything it prints must be plain text a tokenizer can take turn by
 turn: no colour codes, and for the embedded tiny policy only characters of
-``engines.modeling.CHARSET`` (digits, lowercase, ``+-*/=()<> ,.:?`` and newline).
+``engines.modeling.CHARSET`` (digits, lowercase, ``+-*/=()<> ,.:?`` and newline) — by default, or
+with an option (``webshop``: ``brackets="()"``); ``tool_table`` speaks JSON tool calls and is for
+real tokenizers only.
 
 Contract of ``step``:
   - it never raises on the policy's text: an unparsable or illegal action leaves the state

@@ -1,0 +1,73 @@
+"""engines/envs/tool_table.py: questions over a generated table, answered through tool calls."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+
+from engines.envs import make_env
+from engines.envs.tool_table import ToolTable, make_table
+from engines.sandbox import SandboxUnavailable
+from engines.tool_calls import calculate
+
+
+def call(name, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_tables_are_seeded_and_the_teacher_expression_computes_the_answer():
+    assert make_table(4) == make_table(4) and make_table(4) != make_table(5)
+    for seed in range(100):
+        rows, question, value, expression = make_table(seed)
+        assert 6 <= len(rows) <= 9 and question.endswith("?")
+        assert abs(Fraction(calculate(expression)) - value) < Fraction(1, 10 ** 6), seed
+
+
+def test_episode_tool_call_then_answer():
+    env = make_env("tool_table")
+    obs = env.reset(3)
+    assert obs.startswith("item | category | price | quantity\n") and env.question in obs
+    assert "<tools>" in env.instructions and '"name": "calculator"' in env.instructions
+    assert env.state_key() == "results:"
+    obs, r, done, info = env.step(call("calculator", expression=env.expression))
+    assert obs.startswith("<tool_response>\n") and (r, done) == (0.0, False)
+    assert info["valid_action"] and info["effective"] and info["tools"] == ["calculator"]
+    _, _, _, info = env.step(call("calculator", expression=env.expression))   # same result again: not effective
+    assert info["valid_action"] and not info["effective"]
+    obs, r, done, info = env.step(f"<answer>{float(env.value) + 1:.2f}</answer>")
+    assert (r, done, info["success"]) == (0.0, True, False) and obs.startswith("Wrong")
+    env.reset(3)
+    _, r, done, info = env.step(f"<answer>{float(env.value):.2f}</answer>")
+    assert (r, done, info["success"]) == (1.0, True, True)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("the total is 12", "no <tool_call> and no <answer> found"),
+    ("<answer>twelve</answer>", "the answer 'twelve' is not a number"),
+    ("So: <answer>12</answer>", "write only <answer>NUMBER</answer>"),
+    ("<answer>1</answer><answer>2</answer>", "write only <answer>NUMBER</answer>"),
+    (call("calculator", expression="1") + "<answer>1</answer>", "a turn is either a tool call or an answer, not both"),
+    ('<tool_call>{"name": "calculator"</tool_call>', "the tool call is not valid json"),
+    (call("python", code="print(1)"), "unknown tool 'python'; tools: calculator"),
+    (call("calculator", expression="2**9999"), "calculator: exponent 9999 beyond 100"),
+])
+def test_refused_turns_are_invalid_with_the_reason(text, why):
+    env = ToolTable()
+    env.reset(0)
+    obs, r, done, info = env.step(text)
+    assert obs.startswith("invalid: " + why) and r == env.invalid_penalty and not done
+    assert not info["valid_action"] and env.state_key() == "results:"
+
+
+def test_python_tool_option():
+    try:
+        env = ToolTable(python=True, describe_tools=False)
+    except SandboxUnavailable as e:
+        pytest.skip(f"the sandbox cannot start on this host: {e}")
+    assert "<tools>" not in env.instructions and [s["function"]["name"] for s in env.tool_specs] == ["calculator", "python"]
+    env.reset(1)
+    rows = [(p, q) for _, _, p, q in env.rows]
+    obs, _, _, info = env.step(call("python", code=f"print(sum(q for p, q in {[(float(p), q) for p, q in rows]}))"))
+    assert info["valid_action"] and obs == f"<tool_response>\n{sum(q for _, q in rows)}\n</tool_response>\n"
