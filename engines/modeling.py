@@ -86,6 +86,38 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def model_dir_problem(path: str) -> str | None:
+    """Why the folder `path` is not a model flyroll can load, or None when it is: a config.json that
+    transformers loads, weights (*.safetensors or *.bin) and a tokenizer that `load_tokenizer` loads.
+    Reads no weights, so it costs about a tokenizer load."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "the folder has no config.json"
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- transformers raises several types for a bad config
+        return f"its config.json does not load ({type(e).__name__}: {str(e)[:200]})"
+    if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+        return "the folder holds no weights (*.safetensors or *.bin)"
+    try:
+        load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 -- idem for a missing or broken tokenizer
+        return f"its tokenizer does not load ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def context_length(path: str) -> int | None:
+    """The context (positions) of the model in folder `path`, from its config.json
+    (max_position_embeddings, or n_positions / max_seq_len / seq_length), None when it names none."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
 def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = False) -> list[list[int]]:
     """Prompt texts -> token ids, optionally through the tokenizer's chat template."""
     if apply_chat_template:

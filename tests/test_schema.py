@@ -43,7 +43,7 @@ def test_yaml_values_are_applied(tmp_path):
     assert cfg.run.name == "exp" and cfg.rollout.temperature == 0.7 and cfg.rollout.stop == ("\n",)
     assert cfg.algorithm.advantage == "rloo" and cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.training == FlyrollConfig().training  # untouched sections keep their defaults
-    assert load_config(write(tmp_path, "")) == FlyrollConfig()  # an empty preset is all defaults
+    assert load_config(write(tmp_path, "{}\n")) == FlyrollConfig()  # an explicit empty mapping is all defaults (an empty file is refused)
 
 
 def test_overrides(tmp_path):
@@ -55,8 +55,8 @@ def test_overrides(tmp_path):
     assert cfg.algorithm.advantage == "reinforce"
     assert load_config(path).rollout.temperature == 0.7  # the file is not modified
     # overrides are validated like the file
-    assert "rollout.temprature" in config_error(tmp_path, "", {"rollout.temprature": 0.5})
-    assert "rollout.temperature" in config_error(tmp_path, "", {"rollout.temperature": -1})
+    assert "rollout.temprature" in config_error(tmp_path, "{}\n", {"rollout.temprature": 0.5})
+    assert "rollout.temperature" in config_error(tmp_path, "{}\n", {"rollout.temperature": -1})
 
 
 def test_override_into_an_empty_section(tmp_path):
