@@ -58,9 +58,9 @@ def test_a_missing_model_path_is_refused_naming_it(tmp_path):
 def test_a_read_only_store_is_refused_before_the_run_starts(tmp_path):
     """Was: a bare OSError 27 s into the run, at the first publish."""
     from tasks.prepare import prepare_run
-    from tests.test_store import _read_only_folder
+    from tests.support.folders import read_only_folder
 
-    root = _read_only_folder(tmp_path)
+    root = read_only_folder(tmp_path)
     cfg = yaml.safe_load(open(_config(tmp_path)))
     cfg["run"]["store_uri"] = root
     (tmp_path / "ro.yaml").write_text(yaml.safe_dump(cfg))

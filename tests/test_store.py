@@ -400,25 +400,13 @@ def test_processes_fetching_one_version_at_once_each_read_it_whole(tmp_path):
     assert got == [hashlib.sha256(data).hexdigest()] * 6
 
 
-def _read_only_folder(tmp_path) -> str:
-    """A folder this process cannot write into (as root a chmod does not stop writes: use /sys)."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    if not os.access(ro, os.W_OK):
-        return str(ro / "store")
-    try:
-        open("/sys/.flyroll-probe", "w").close()
-    except OSError:
-        return "/sys/flyroll-store"
-    pytest.skip("no read-only folder available")
-
-
 def test_check_writable_refuses_a_read_only_store(tmp_path):
     """Was: nothing checked; the first publish failed 27 s into a run with a bare OSError."""
     from infra.store import StoreError
 
-    root = _read_only_folder(tmp_path)
+    from tests.support.folders import read_only_folder
+
+    root = read_only_folder(tmp_path)
     with pytest.raises(StoreError, match="not writable") as e:
         ArtifactStore(root).check_writable()
     assert root in str(e.value)
