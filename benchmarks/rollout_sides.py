@@ -63,7 +63,8 @@ def run_sides(raw: dict, sides: dict[str, dict[str, dict]], *, work: str, prefix
         cfg = side_config(raw, name, changes, prefix=prefix, out=os.path.join(work, "runs"), iterations=iterations, threads=threads)
         Path(path).write_text(yaml.safe_dump(cfg))
         spec, model_spec = prepare_run(config=path, restart=False)
-        runs[name] = (spec, build_base_policy(model_spec), make_dataset(spec=spec))
+        base = build_base_policy(model_spec)
+        runs[name] = (spec, base, make_dataset(spec=spec, base=base))
     rows: dict[str, list[dict]] = {name: [] for name in sides}
     try:
         for it in range(1, iterations + 1):

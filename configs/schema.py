@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engines.algorithms.config import AlgorithmConfig
+from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
 
 DEFAULT_CONFIG = Path(__file__).with_name("tiny.yaml")
 
@@ -85,7 +86,9 @@ class DataConfig(_Section):
     train_size: int = Field(4096, ge=1, description="Prompts in the train split (per source when `sources` is set).")
     eval_size: int = Field(256, ge=1, le=512, description="Prompts in the fixed eval split (greedy decoding; per source when `sources` is set).")
     sources: tuple[SourceConfig, ...] = Field((), description="Multi-domain data: one entry per source; their tables are concatenated into one versioned train and eval split.")
-    domain_weights: dict[str, float] = Field(default_factory=dict, description="Sampling weight per domain for each rollout batch (ROLL's domain_interleave_probs), e.g. {math: 0.4, code: 0.3, ifeval: 0.3}. Empty = plain shuffled epochs over the train split. Every batch logs its realised mix.")
+    domain_weights: dict[str, float] = Field(default_factory=dict, description="Sampling weight per domain for each rollout batch (ROLL's domain_interleave_probs), e.g. {math: 0.4, code: 0.3, ifeval: 0.3}. Empty = plain shuffled epochs over the train split. Every batch logs its realised mix. A domain the data does not hold is refused before any cluster starts: at config load where the sources name their domains, else when the dataset is built.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt, in tokens as the policy sees it (chat template included), a row of the train or eval split may have; applied when the dataset is built (tasks/prepare.py make_dataset, engines/datasets.py bound_prompts), so no row reaches a generation worker that could not hold it (one 100,000-character row made a worker allocate 5 GB). None = the policy's context (config.json max_position_embeddings) minus rollout.max_new_tokens, resolved when the dataset is built, so a prompt and its longest response fit. Smaller = less memory per sequence and fewer prompts kept; what happens to a longer row is data.over_length.")
+    over_length: Literal["drop", "truncate", "error"] = Field("drop", description="A row over data.max_prompt_tokens: 'drop' = left out of the split; how many and the longest are printed as a warning, kept in the dataset's manifest and logged (data/dropped_long_prompts). 'truncate' = keep the prompt's last max_prompt_tokens tokens (its end holds the question and the answer format; the start is lost, which may make it unanswerable), counted in data/truncated_prompts. 'error' = the dataset task fails, naming the first such row, its length and the limit.")
 
 
 class RolloutConfig(_Section):
@@ -371,9 +374,32 @@ class FlyrollConfig(_Section):
         negative = {k: v for k, v in self.data.domain_weights.items() if v < 0}
         if negative or (self.data.domain_weights and sum(self.data.domain_weights.values()) <= 0):
             raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(self.data.domain_weights)}")
-        if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
-            raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: advantage '{self.algorithm.advantage}' compares samples within a group and needs at least 2")
+        if self.algorithm.advantage in GROUP_BASELINE and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"rollout.samples_per_prompt={self.rollout.samples_per_prompt}: advantage "
+                             f"'{self.algorithm.advantage}' compares samples within a group (its baseline is the group's "
+                             "own rewards), so with one sample per prompt every advantage is 0 and nothing trains; "
+                             f"expected at least 2 samples per prompt, or an estimator without a group baseline "
+                             f"({sorted(set(ADVANTAGES) - GROUP_BASELINE)})")
+        if self.env is None:
+            self._check_data_size()
         return self
+
+    def _check_data_size(self) -> None:
+        """What the data section says about the train split before it is built: the domains it holds
+        (against domain_weights) and its rows (against one batch). Sources whose domains or sizes only
+        the data tells (a file) are checked when the dataset is built (tasks/prepare.py make_dataset)."""
+        d, batch = self.data, self.rollout.prompts_per_iteration
+        held = data_domains(d)
+        absent = sorted(set(d.domain_weights) - held) if held is not None else []
+        if absent:
+            raise ValueError(f"data.domain_weights: domain(s) {absent} (weights {[d.domain_weights[k] for k in absent]}) "
+                             f"are not in the data, which holds {sorted(held)}; expected a weight per domain of "
+                             "data.sources (its `domain`, else the source's own) or data.domains")
+        rows = train_rows(d)
+        if rows is not None and rows < batch and self.rollout.partial_rollout_max_split == 1:
+            raise ValueError(f"data.train_size={d.train_size}: the train split has {rows} prompts, fewer than one batch "
+                             f"(rollout.prompts_per_iteration={batch}); a batch would hold a prompt twice and its groups "
+                             f"would merge into one (same group_id); expected at least {batch} train prompts")
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -401,8 +427,64 @@ class FlyrollConfig(_Section):
         return out
 
 
+_SOURCE_DOMAIN = {"reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}  # engines/sources.py defaults
+
+
+def data_domains(d: DataConfig) -> set[str] | None:
+    """The domains the train split will hold, or None when only the data can tell (a file source
+    without `domain`)."""
+    if not d.sources:
+        return set(d.domains)
+    held: set[str] = set()
+    for src in d.sources:
+        if src.domain:
+            held.add(src.domain)
+        elif src.kind == "synthetic":
+            held |= set(src.names or d.domains)
+        elif src.kind in _SOURCE_DOMAIN:
+            held.add(_SOURCE_DOMAIN[src.kind])
+        else:
+            return None
+    return held
+
+
+def train_rows(d: DataConfig) -> int | None:
+    """Prompts in the train split, or None when only the data can tell (a file, HumanEval's fixed set)."""
+    if not d.sources:
+        return d.train_size
+    if any(src.kind not in ("synthetic", "reasoning_gym", "ifeval") for src in d.sources):
+        return None
+    return sum(src.train_size or d.train_size for src in d.sources)
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field, the value and what was expected."""
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader itself refuses it
+                    continue
+                if first is not None:
+                    raise _DuplicateKey(f"key {key!r} is given twice in one mapping, on line {first} and line {line}; "
+                                        "YAML would keep only the last one silently: remove one of them")
+                seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
@@ -431,9 +513,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist (expected a YAML preset such as configs/tiny.yaml)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
+    if data is None:
+        raise ConfigError(f"config file {str(path)!r} is empty (no sections, only blanks or comments); it would run the "
+                          f"schema's defaults, which are not a preset; expected a YAML preset such as {str(DEFAULT_CONFIG)!r} "
+                          "(or no config file at all, which means that one)")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():

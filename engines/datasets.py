@@ -91,6 +91,7 @@ class LoadResult:
     table: pd.DataFrame                       # the good rows, columns COLUMNS
     errors: list[RowError] = field(default_factory=list)
     uri: str = ""
+    notes: list[str] = field(default_factory=list)   # what was fixed while reading (a byte-order mark)
 
     @property
     def rows_read(self) -> int:
@@ -99,7 +100,9 @@ class LoadResult:
     def summary(self) -> str:
         head = "; ".join(f"line {e.line}: {e.reason}" for e in self.errors[:5])
         more = f" (+{len(self.errors) - 5} more)" if len(self.errors) > 5 else ""
-        return f"{self.uri}: {len(self.table)} rows kept, {len(self.errors)} skipped" + (f" [{head}{more}]" if head else "")
+        notes = "".join(f"; {n}" for n in self.notes)
+        return (f"{self.uri}: {len(self.table)} rows kept, {len(self.errors)} skipped" + (f" [{head}{more}]" if head else "")
+                + notes)
 
 
 def _reason(e: ValidationError) -> str:
@@ -127,8 +130,31 @@ def validate_rows(rows) -> tuple[list[dict], list[RowError]]:
     return good, errors
 
 
-def _jsonl_rows(raw: bytes):
-    for i, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+_BOM = b"\xef\xbb\xbf"
+
+
+def decode_text(raw: bytes, uri: str) -> tuple[str, list[str]]:
+    """(the text of a UTF-8 file, notes). A leading UTF-8 byte-order mark is removed and noted (left
+    in, it made the first line invalid JSON). A byte that is not UTF-8 raises ValueError naming the
+    file, the line and the byte offset: replacing it would change a prompt or answer silently."""
+    notes = []
+    if raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+        notes.append("a UTF-8 byte-order mark opens the file (removed)")
+    try:
+        return raw.decode("utf-8"), notes
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        offset = e.start + (len(_BOM) if notes else 0)
+        gz = " of the decompressed text" if uri.lower().endswith(".gz") else ""
+        raise ValueError(f"prompt file {uri!r}: line {line} is not UTF-8: byte {raw[e.start:e.start + 1]!r} at byte "
+                         f"offset {offset}{gz} (column {column}) ({e.reason}); expected UTF-8 text: re-encode the file "
+                         "(e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _jsonl_rows(text: str):
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -202,18 +228,88 @@ def load_prompts(uri: str, *, storage_options: dict | None = None) -> LoadResult
     raw = _read_bytes(uri, storage_options)
     if not raw.strip():
         raise ValueError(f"prompt file {uri!r} is empty; expected one JSON object per line (prompt, domain, answer or tests)")
+    notes: list[str] = []
     if fmt == "jsonl":
-        rows = _jsonl_rows(raw)
+        text, notes = decode_text(raw, uri)
+        rows = _jsonl_rows(text)
     else:
         try:
             rows = list(_parquet_rows(raw))
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a corrupt file
             raise ValueError(f"prompt file {uri!r} is not a readable parquet file ({type(e).__name__}: {e})") from e
     good, errors = validate_rows(rows)
-    result = LoadResult(table_of(good), errors, uri)
+    result = LoadResult(table_of(good), errors, uri, notes)
     if not good:
         raise ValueError(f"prompt file {uri!r} has no valid row ({len(errors)} rejected): " + result.summary())
     return result
+
+
+@dataclass(frozen=True)
+class BoundReport:
+    """What `bound_prompts` did to one split."""
+
+    limit: int                 # max tokens per prompt
+    action: str                # drop | truncate | error
+    over: int = 0              # rows over the limit (dropped or truncated)
+    longest: int = 0           # tokens of the longest of them
+    longest_id: str = ""       # its prompt_id (or row number)
+
+    def summary(self, split: str) -> str:
+        if not self.over:
+            return ""
+        done = {"drop": "dropped", "truncate": "truncated to their last"}[self.action]
+        return (f"{split}: {self.over} prompt(s) longer than data.max_prompt_tokens={self.limit} tokens {done}"
+                f"{f' {self.limit} tokens' if self.action == 'truncate' else ''} (longest: {self.longest} tokens, "
+                f"{self.longest_id})")
+
+
+def _keep_tail(text: str, count_tokens, limit: int) -> str:
+    """The longest suffix of `text` whose `count_tokens` is <= `limit` (binary search over its length)."""
+    lo, hi = 0, len(text)          # count_tokens(text[-lo:]) <= limit holds for lo (lo = 0: the empty prompt)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count_tokens([text[len(text) - mid:]])[0] <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[len(text) - lo:]
+
+
+def bound_prompts(df: pd.DataFrame, count_tokens, max_tokens: int, over_length: str = "drop",
+                  split: str = "train") -> tuple[pd.DataFrame, BoundReport]:
+    """Rows of prompt table `df` whose prompt is at most `max_tokens` tokens (`count_tokens(list of
+    prompts) -> list of token counts`, as the policy will encode them), and a report.
+
+    over_length: 'drop' leaves longer rows out; 'truncate' keeps each longer prompt's last tokens
+    (its end holds the question and the answer format) and records the original length in
+    metadata.truncated_from_tokens; 'error' raises ValueError naming the first longer row."""
+    if over_length not in ("drop", "truncate", "error"):
+        raise ValueError(f"data.over_length: {over_length!r}; expected 'drop', 'truncate' or 'error'")
+    counts = count_tokens(df["prompt"].tolist()) if len(df) else []
+    over = [i for i, n in enumerate(counts) if n > max_tokens]
+    if not over:
+        return df, BoundReport(max_tokens, over_length)
+    ids = df["prompt_id"].tolist() if "prompt_id" in df.columns else [f"row {i + 1}" for i in range(len(df))]
+    worst = max(over, key=lambda i: counts[i])
+    report = BoundReport(max_tokens, over_length, len(over), counts[worst], str(ids[worst]))
+    if over_length == "error":
+        first = over[0]
+        raise ValueError(f"{split} prompt {ids[first]} (domain {df['domain'].iloc[first]!r}) is {counts[first]} tokens, "
+                         f"over data.max_prompt_tokens={max_tokens} ({len(over)} such row(s), the longest "
+                         f"{report.longest} tokens); expected shorter prompts, or data.over_length 'drop' or 'truncate'")
+    if over_length == "drop":
+        return df.drop(index=df.index[over]).reset_index(drop=True), report
+    out = df.copy()
+    for i in over:
+        kept = _keep_tail(out["prompt"].iloc[i], count_tokens, max_tokens)
+        if not kept.strip():
+            raise ValueError(f"{split} prompt {ids[i]}: nothing of it fits in data.max_prompt_tokens={max_tokens} tokens "
+                             "(the chat template alone may take more); raise data.max_prompt_tokens")
+        out.iat[i, out.columns.get_loc("prompt")] = kept
+        meta = out["metadata"].iloc[i]
+        out.iat[i, out.columns.get_loc("metadata")] = {**(meta if isinstance(meta, dict) else {}),
+                                                       "truncated_from_tokens": counts[i]}
+    return out, report
 
 
 def table_of(records: list[dict]) -> pd.DataFrame:

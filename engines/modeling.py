@@ -13,6 +13,7 @@ import os
 import string
 
 import torch
+from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -84,6 +85,50 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def model_dir_problem(path: str) -> str | None:
+    """Why the folder `path` is not a model flyroll can load, or None when it is: a config.json that
+    transformers loads, weights (*.safetensors or *.bin) and a tokenizer that `load_tokenizer` loads.
+    Reads no weights, so it costs about a tokenizer load."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "the folder has no config.json"
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- transformers raises several types for a bad config
+        return f"its config.json does not load ({type(e).__name__}: {str(e)[:200]})"
+    names = os.listdir(path)
+    if not any(name.endswith((".safetensors", ".bin")) for name in names):
+        return "the folder holds no weights (*.safetensors or *.bin)"
+    for name in (n for n in names if n.endswith(".safetensors")):
+        try:  # reads the header only
+            with safe_open(os.path.join(path, name), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types
+            return f"its weights file {name} is not a safetensors file ({type(e).__name__}: {str(e)[:120]})"
+    if not any(name in TOKENIZER_FILES for name in names):  # transformers would build an empty tokenizer
+        return f"the folder holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+    try:
+        load_tokenizer(path)
+    except Exception as e:  # noqa: BLE001 -- idem for a missing or broken tokenizer
+        return f"its tokenizer does not load ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def context_length(path: str) -> int | None:
+    """The context (positions) of the model in folder `path`, from its config.json
+    (max_position_embeddings, or n_positions / max_seq_len / seq_length), None when it names none."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(cfg.get(key), int) and cfg[key] > 0:
+            return cfg[key]
+    return None
 
 
 def encode_prompts(tokenizer, prompts: list[str], apply_chat_template: bool = False) -> list[list[int]]:

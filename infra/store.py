@@ -215,6 +215,20 @@ class ArtifactStore:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def check_writable(self) -> None:
+        """Write and delete a small probe object under the root (the folder is created if need be), so a
+        read-only or unreachable store fails at the start of a run, not at its first publish. Raises
+        StoreError naming the root and the cause."""
+        probe = f"{self._root_path}/.write-probe-{uuid.uuid4().hex}"
+        try:
+            self._retry(f"write {self.root}", self.fs.pipe_file, probe, b"flyroll write probe")
+            self._retry(f"delete {self.root}", self.fs.rm_file, probe)
+        except StoreUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 -- OSError locally; s3fs raises PermissionError and others
+            raise StoreError(f"artifact store {self.root} is not writable: writing a probe object failed "
+                             f"({type(e).__name__}: {e})") from e
+
     # -- reading -----------------------------------------------------------------------------
 
     def manifest(self, key: str) -> Manifest:

@@ -18,13 +18,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from configs.schema import load_config
 from engines import datasets, sources
-from engines.datasets import encode_nested
+from engines.datasets import bound_prompts, domain_quotas, encode_nested
 from engines.env_manager import solved_episodes
 from engines.pretrain import supervised_finetune
 from engines.synthetic import make_problems, teacher_demonstration
 from infra import tracking
 from infra.resources import check_placement, task_resources
-from infra.store import ArtifactStore
+from infra.store import ArtifactStore, StoreError
 from tasks.common import config_of, console, execution_id, store_of
 from tasks.keys import parse_policy_key, policy_prefix
 from tasks.prompts import BOOTSTRAP_SEED0
@@ -47,8 +47,16 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
         run_id += time.strftime("-%Y%m%d%H%M%S")
     out_dir = os.path.abspath(cfg.run.output_dir)
     store_uri = cfg.run.store_uri or os.environ.get("FLYROLL_STORE_URI") or os.path.join(out_dir, "store")
-    if cfg.model.reference_path:  # a missing reference fails here, not after the policy is bootstrapped
-        check_model_path(cfg.model.reference_path, ArtifactStore(store_uri), "model.reference_path")
+    store = ArtifactStore(store_uri)
+    try:  # a read-only store fails here, not at the first publish
+        store.check_writable()
+    except StoreError as e:
+        field = "run.store_uri" if cfg.run.store_uri else "FLYROLL_STORE_URI" if os.environ.get("FLYROLL_STORE_URI") else "run.output_dir"
+        raise ValueError(f"{field}: the artifact store {store_uri!r} cannot be written to ({e}); expected a writable "
+                         "folder or bucket") from None
+    for field, path in (("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path)):
+        if path:  # a missing or broken model fails here, not after the policy is bootstrapped
+            check_model_path(path, store, field)
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
@@ -118,10 +126,10 @@ def _source_splits(src: dict, d: dict, seed: int) -> tuple[pd.DataFrame, pd.Data
         train, evals = every.iloc[:cut].head(src["train_size"] or cut), every.iloc[cut:]
     else:  # file
         res = datasets.load_prompts(src["uri"])
-        problems += [f"{src['uri']}: {res.summary()}"] if res.errors else []
+        problems += [f"{src['uri']}: {res.summary()}"] if res.errors or res.notes else []
         if src["eval_uri"]:
             ev = datasets.load_prompts(src["eval_uri"])
-            problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors else []
+            problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
             train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
         else:
             cut = max(1, len(res.table) - n_eval)
@@ -161,28 +169,90 @@ def build_splits(d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     return out[0], out[1], problems
 
 
+def bounded_splits(cfg, store: ArtifactStore, base: PolicyRef, train, evals) -> tuple["pd.DataFrame", "pd.DataFrame", dict]:
+    """The splits with no prompt over data.max_prompt_tokens (default: the policy's context minus
+    rollout.max_new_tokens), counted with the policy's tokenizer as the rollout encodes them
+    (engines/datasets.py bound_prompts), and {split: BoundReport}."""
+    from engines.modeling import context_length, encode_prompts, load_tokenizer  # transformers (~5 s): see build_base_policy
+
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = store.fetch(base.key, d, skip=_NOT_TOKENIZER)
+        tokenizer, context = load_tokenizer(model_dir), context_length(model_dir)
+    limit = cfg.data.max_prompt_tokens
+    if limit is None:
+        if context is None:
+            raise ValueError(f"data.max_prompt_tokens: unset, and the policy {base.key} names no context length in its "
+                             "config.json (max_position_embeddings); set data.max_prompt_tokens")
+        limit = context - cfg.rollout.max_new_tokens
+        if limit < 1:
+            raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                             f"policy's context of {context} tokens ({base.key}); expected max_new_tokens < {context}")
+
+    def count(prompts: list[str]) -> list[int]:
+        return [len(ids) for ids in encode_prompts(tokenizer, prompts, cfg.model.apply_chat_template)]
+
+    train, r_train = bound_prompts(train, count, limit, cfg.data.over_length, "train")
+    evals, r_eval = bound_prompts(evals, count, limit, cfg.data.over_length, "eval")
+    return train, evals, {"train": r_train, "eval": r_eval}
+
+
+def check_train_split(cfg, domain_rows: dict[str, int]) -> None:
+    """Refuse, before any cluster starts, a train split (rows per domain) that lacks a weighted domain
+    or holds fewer prompts than one batch (a prompt twice in a batch merges its groups)."""
+    weights, batch = dict(cfg.data.domain_weights), cfg.rollout.prompts_per_iteration
+    absent = sorted(set(weights) - set(domain_rows))
+    if absent:
+        raise ValueError(f"data.domain_weights: domain(s) {absent} are not in the train split, which holds "
+                         f"{sorted(domain_rows)}; expected a weight per domain of the data")
+    need = domain_quotas(weights, batch) if weights else {"": batch}
+    have = domain_rows if weights else {"": sum(domain_rows.values())}
+    short = {k: (have[k], n) for k, n in need.items() if have[k] < n}
+    if short and cfg.rollout.partial_rollout_max_split == 1:
+        what = "; ".join(f"{'domain ' + repr(k) + ': ' if k else ''}{h} prompts for {n} per batch" for k, (h, n) in short.items())
+        raise ValueError(f"data.train_size={cfg.data.train_size}: the train split holds fewer prompts than one batch of "
+                         f"rollout.prompts_per_iteration={batch} ({what}); a prompt would be drawn twice into a batch and "
+                         "its groups would merge (same group_id); expected more train prompts, or a smaller batch")
+
+
 @task(**task_resources("weight_sync"))
-def make_dataset(spec: RunSpec) -> DatasetRef:
+def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
-    config). Bad rows of user files are skipped; their count and reasons go to MLflow."""
+    config and the policy, whose tokenizer and context bound the prompts). Bad rows of user files are
+    skipped, prompts over data.max_prompt_tokens dropped or truncated; counts and reasons go to MLflow."""
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
-    version = hashlib.sha256(json.dumps([d, cfg.run.seed], sort_keys=True).encode()).hexdigest()[:12]
     store = store_of(spec)
+    tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()  # and config.json
+                             if not rel.startswith(_NOT_TOKENIZER))
+    version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, cfg.rollout.max_new_tokens,
+                                         cfg.model.apply_chat_template], sort_keys=True).encode()).hexdigest()[:12]
     name = "synthetic" if not cfg.data.sources else "mixed"
     keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
     if not all(store.exists(k) for k in keys.values()):
         train, evals, problems = build_splits(d, cfg.run.seed)
+        train, evals, bounds = bounded_splits(cfg, store, base, train, evals)
+        long_rows = [r.summary(split) for split, r in bounds.items() if r.over]
         for split, df in (("train", train), ("eval", evals)):
+            if not len(df):
+                raise ValueError(f"data: no {split} prompt is left ({'; '.join(long_rows) or 'the sources gave none'})")
             mix = df["domain"].value_counts(normalize=True).round(4).to_dict()
             _publish_table(store, encode_nested(df), keys[split], "dataset",
-                           {"split": split, "rows": len(df), "domains": mix, "skipped_rows": problems})
+                           {"split": split, "rows": len(df), "domains": mix, "skipped_rows": problems,
+                            "domain_rows": {str(k): int(v) for k, v in df["domain"].value_counts().items()},
+                            "max_prompt_tokens": bounds[split].limit, "long_prompts": bounds[split].over,
+                            "over_length": cfg.data.over_length, "long_prompts_report": bounds[split].summary(split)})
         if problems:
             console.print("[yellow]skipped bad rows:[/] " + " | ".join(problems))
             tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, "\n".join(problems), "data/skipped_rows.txt")
+        if long_rows:
+            console.print("[yellow]long prompts:[/] " + " | ".join(long_rows))
     manifest = store.manifest(keys["train"])
+    if "domain_rows" in manifest.metadata:
+        check_train_split(cfg, manifest.metadata["domain_rows"])
+    long_key = "data/dropped_long_prompts" if cfg.data.over_length == "drop" else "data/truncated_prompts"
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id,
                          {"data/train_rows": float(manifest.metadata["rows"]),
+                          long_key: float(manifest.metadata.get("long_prompts", 0)),
                           "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"]})
     return DatasetRef(train_key=keys["train"], eval_key=keys["eval"])
@@ -282,6 +352,12 @@ def check_model_path(path: str, store: ArtifactStore, field: str) -> None:
             raise type(e)(f"{field}: {e}") from None
         return
     if os.path.isdir(path):
+        from engines.modeling import model_dir_problem
+
+        problem = model_dir_problem(path)
+        if problem:
+            raise ValueError(f"{field} {path!r} is not a model: {problem}; expected a Hugging Face model directory "
+                             "(config.json, *.safetensors weights, tokenizer files)")
         return
     try:
         found = store.exists(_store_key(path, store))

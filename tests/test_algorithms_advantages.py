@@ -246,3 +246,19 @@ def test_estimators_zero_on_masked_tokens_and_no_grad(name):
     (adv, ret), metrics = get_advantage(name)(rewards, mask, index, values=values)
     assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
     assert not adv.requires_grad and all(isinstance(v, float) for v in metrics.values())
+
+
+def test_group_baseline_declarations_match_the_estimators():
+    """GROUP_BASELINE (registry; the config refuses its members with G = 1) holds exactly the
+    estimators whose advantages are all 0 when every group has one sample. gigpo needs step inputs:
+    its episode-level term is grpo's."""
+    from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
+
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.5]])   # [B=4, T=2]
+    mask = torch.ones(4, 2)
+    index = torch.arange(4)                                                     # G = 1: four groups of one
+    values = torch.tensor([[0.1, 0.2], [0.3, 0.1], [0.0, 0.4], [0.2, 0.2]])
+    for name in sorted(set(ADVANTAGES) - {"gigpo"}):
+        (adv, _), _ = get_advantage(name)(rewards, mask, index, values=values)
+        assert bool((adv == 0).all()) == (name in GROUP_BASELINE), name
+    assert "gigpo" in GROUP_BASELINE

@@ -200,3 +200,83 @@ def test_ifeval_source_rows_are_valid_and_varied(tmp_path):
     back = load_prompts(write_prompts(df, str(tmp_path / "if.parquet"))).table     # nested kwargs survive parquet
     assert back["metadata"].tolist() == df["metadata"].tolist()
     assert isinstance(RowError(1, "x"), RowError)
+
+
+# --- bounded input and decoding (issue 40) -----------------------------------------------------
+
+def _char_count(prompts):
+    return [len(p) for p in prompts]  # one token per character, as the tiny model's tokenizer
+
+
+def _long_table():
+    from engines.datasets import table_of
+
+    rows = [{"prompt": "2+2=", "domain": "math", "answer": "4", "tests": None, "metadata": {}},
+            {"prompt": "x" * 100_000 + " what is 3+4?", "domain": "math", "answer": "7", "tests": None, "metadata": {}},
+            {"prompt": "5+5=", "domain": "math", "answer": "10", "tests": None, "metadata": {}}]
+    df = table_of(rows)
+    df.insert(0, "prompt_id", ["train-0", "train-1", "train-2"])
+    return df
+
+
+def test_a_100000_character_row_is_dropped_and_counted():
+    from engines.datasets import bound_prompts
+
+    out, report = bound_prompts(_long_table(), _char_count, 244, "drop")
+    assert out["prompt"].tolist() == ["2+2=", "5+5="]          # the worker never sees the long row
+    assert (report.over, report.longest, report.longest_id) == (1, 100_013, "train-1")
+    assert "1 prompt(s)" in report.summary("train") and "100013 tokens" in report.summary("train")
+
+
+def test_a_100000_character_row_is_truncated_to_its_last_tokens():
+    from engines.datasets import bound_prompts
+
+    out, report = bound_prompts(_long_table(), _char_count, 244, "truncate")
+    assert len(out) == 3 and report.over == 1
+    kept = out["prompt"].iloc[1]
+    assert len(kept) == 244 and kept.endswith(" what is 3+4?")     # the end (the question) is kept
+    assert out["metadata"].iloc[1]["truncated_from_tokens"] == 100_013
+    assert out["prompt"].iloc[0] == "2+2="
+
+
+def test_a_100000_character_row_is_an_error_when_so_configured():
+    from engines.datasets import bound_prompts
+
+    with pytest.raises(ValueError, match=r"train-1.*100013 tokens.*data.max_prompt_tokens=244"):
+        bound_prompts(_long_table(), _char_count, 244, "error")
+
+
+def test_truncation_with_a_real_tokenizer_fits_the_limit(tiny_policy):
+    """Truncation re-encodes what it keeps, so the kept prompt is within the limit as the policy encodes it."""
+    from engines.datasets import bound_prompts
+    from engines.modeling import encode_prompts
+
+    _, tok = tiny_policy
+
+    def count(prompts):
+        return [len(ids) for ids in encode_prompts(tok, prompts)]
+
+    out, _ = bound_prompts(_long_table(), count, 50, "truncate")
+    assert max(count(out["prompt"].tolist())) <= 50
+
+
+def test_a_non_utf8_byte_is_an_error_naming_file_line_and_offset(tmp_path):
+    """Was: the byte was silently replaced by U+FFFD."""
+    path = tmp_path / "p.jsonl"
+    lines = [json.dumps(GOOD[0]).encode(), b'{"prompt": "caf\xe9 2+2=", "domain": "math", "answer": "4"}']
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    offset = len(lines[0]) + 1 + lines[1].index(b"\xe9")
+    with pytest.raises(ValueError) as e:
+        load_prompts(str(path))
+    msg = str(e.value)
+    assert str(path) in msg and "line 2" in msg and f"byte offset {offset}" in msg and "\\xe9" in msg
+
+
+def test_a_utf8_bom_keeps_the_first_row_and_is_reported(tmp_path):
+    """Was: the BOM made line 1 invalid JSON, so the first row was dropped."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in GOOD).encode() + b"\n")
+    res = load_prompts(str(path))
+    assert len(res.table) == 3 and not res.errors
+    assert res.table["prompt"].iloc[0] == GOOD[0]["prompt"]
+    assert "byte-order mark" in res.summary()

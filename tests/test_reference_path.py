@@ -64,7 +64,7 @@ def test_reference_path_is_the_kl_reference(tmp_path, monkeypatch, tiny_model_di
     ref = reference_policy(spec=spec, model_spec=model_spec, base=base)
     assert ref.key != base.key
     try:
-        dataset = make_dataset(spec=spec)
+        dataset = make_dataset(spec=spec, base=base)
         batch = rollout(spec=spec, policy=base, dataset=dataset, iteration=1)
         scored = score(spec=spec, batch=batch, iteration=1)
         full = reference_forward(spec=spec, batch=scored, policy=base, reference=ref, iteration=1)

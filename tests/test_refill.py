@@ -70,7 +70,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
 
     spec, model_spec = prepare_run(config=str(tmp_path / "dapo.yaml"), restart=False)
     base = build_base_policy(model_spec)
-    dataset = make_dataset(spec=spec)
+    dataset = make_dataset(spec=spec, base=base)
     try:
         current[0] = "rollout"
         batch = tasks.rollout.rollout(spec=spec, policy=base, dataset=dataset, iteration=1)

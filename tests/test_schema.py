@@ -43,7 +43,7 @@ def test_yaml_values_are_applied(tmp_path):
     assert cfg.run.name == "exp" and cfg.rollout.temperature == 0.7 and cfg.rollout.stop == ("\n",)
     assert cfg.algorithm.advantage == "rloo" and cfg.algorithm.loss_agg_mode == "seq-mean-token-mean"
     assert cfg.training == FlyrollConfig().training  # untouched sections keep their defaults
-    assert load_config(write(tmp_path, "")) == FlyrollConfig()  # an empty preset is all defaults
+    assert load_config(write(tmp_path, "{}\n")) == FlyrollConfig()  # an explicit empty mapping is all defaults (an empty file is refused)
 
 
 def test_overrides(tmp_path):
@@ -55,8 +55,8 @@ def test_overrides(tmp_path):
     assert cfg.algorithm.advantage == "reinforce"
     assert load_config(path).rollout.temperature == 0.7  # the file is not modified
     # overrides are validated like the file
-    assert "rollout.temprature" in config_error(tmp_path, "", {"rollout.temprature": 0.5})
-    assert "rollout.temperature" in config_error(tmp_path, "", {"rollout.temperature": -1})
+    assert "rollout.temprature" in config_error(tmp_path, "{}\n", {"rollout.temprature": 0.5})
+    assert "rollout.temperature" in config_error(tmp_path, "{}\n", {"rollout.temperature": -1})
 
 
 def test_override_into_an_empty_section(tmp_path):
@@ -217,3 +217,68 @@ def test_behaviour_old_logprobs_refuse_tis(tmp_path):
     msg = config_error(tmp_path, "algorithm:\n  old_logprobs: behaviour\n  tis_cap: 2.0\n")
     assert "algorithm.tis_cap needs algorithm.old_logprobs = 'recompute'" in msg
     assert "old_logprobs" in config_error(tmp_path, "algorithm:\n  old_logprobs: engine\n")
+
+
+# --- refusals at config time (issue 40) ----------------------------------------------------------
+
+def test_an_empty_config_file_is_refused_naming_it(tmp_path):
+    """Was: an empty file silently gave the schema's defaults (not configs/tiny.yaml)."""
+    for text in ("", "\n# only a comment\n"):
+        msg = config_error(tmp_path, text)
+        assert "preset.yaml" in msg and "is empty" in msg
+
+
+def test_a_duplicate_yaml_key_is_refused_naming_the_key_and_both_lines(tmp_path):
+    """Was: YAML kept the last of the two silently."""
+    msg = config_error(tmp_path, "run:\n  name: a\ntraining:\n  lr: 0.1\n  grad_clip: 1.0\n  lr: 0.2\n")
+    assert "'lr'" in msg and "line 4" in msg and "line 6" in msg and "preset.yaml" in msg
+    msg = config_error(tmp_path, "rollout:\n  temperature: 0.5\nrollout:\n  top_p: 0.9\n")   # a whole section twice
+    assert "'rollout'" in msg and "line 1" in msg and "line 3" in msg
+    assert load_config(write(tmp_path, "run: {name: a}\ntraining: {lr: 0.1}\n")).training.lr == 0.1  # same key, other mappings
+
+
+@pytest.mark.parametrize("advantage, extra", [
+    ("reinforce_plus_plus_baseline", ""), ("gigpo", ""), ("grpo", "  norm_adv_by_std: false\n"),  # Dr.GRPO
+])
+def test_every_group_baseline_estimator_refuses_one_sample_per_prompt(tmp_path, advantage, extra):
+    """Was: only grpo and rloo were refused; the others trained on all-zero advantages."""
+    from engines.algorithms.registry import GROUP_BASELINE
+
+    assert advantage in GROUP_BASELINE
+    msg = config_error(tmp_path, f"rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: {advantage}\n{extra}")
+    assert "rollout.samples_per_prompt=1" in msg and advantage in msg and "at least 2" in msg
+
+
+def test_estimators_without_a_group_baseline_take_one_sample_per_prompt(tmp_path):
+    from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
+
+    for advantage in sorted(set(ADVANTAGES) - GROUP_BASELINE - {"gae"}):
+        load_config(write(tmp_path, f"rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: {advantage}\n"))
+
+
+def test_domain_weights_for_a_domain_absent_from_the_data_are_refused(tmp_path):
+    """Was: refused only by mix_domains, in the rollout task, after Ray started."""
+    msg = config_error(tmp_path, "data:\n  domains: [arithmetic]\n  domain_weights: {arithmetic: 0.5, math: 0.5}\n")
+    assert "data.domain_weights" in msg and "'math'" in msg and "arithmetic" in msg
+    msg = config_error(tmp_path, "data:\n  sources:\n    - {kind: ifeval}\n    - {kind: reasoning_gym, names: [chain_sum], domain: math}\n"
+                                 "  domain_weights: {math: 0.5, code: 0.5}\n")
+    assert "data.domain_weights" in msg and "'code'" in msg and "['ifeval', 'math']" in msg
+    # a file source names its domains only in its rows: checked when the dataset is built (tests/test_prepare.py)
+    load_config(write(tmp_path, "data:\n  sources:\n    - {kind: file, uri: /x.jsonl}\n  domain_weights: {code: 1.0}\n"))
+
+
+def test_a_train_split_below_one_batch_is_refused_naming_both_numbers(tmp_path):
+    """Was: a batch drew a prompt twice and its groups merged (one group_id)."""
+    msg = config_error(tmp_path, "data:\n  train_size: 48\nrollout:\n  prompts_per_iteration: 64\n")
+    assert "data.train_size=48" in msg and "rollout.prompts_per_iteration=64" in msg
+    msg = config_error(tmp_path, "data:\n  train_size: 8\n  sources:\n    - {kind: ifeval}\n    - {kind: ifeval, train_size: 4}\n"
+                                 "rollout:\n  prompts_per_iteration: 16\n")
+    assert "12 prompts" in msg and "rollout.prompts_per_iteration=16" in msg
+    load_config(write(tmp_path, "data:\n  train_size: 64\nrollout:\n  prompts_per_iteration: 64\n"))
+
+
+def test_prompt_bound_fields(tmp_path):
+    cfg = load_config(write(tmp_path, "data:\n  max_prompt_tokens: 512\n  over_length: truncate\n"))
+    assert (cfg.data.max_prompt_tokens, cfg.data.over_length) == (512, "truncate")
+    assert FlyrollConfig().data.max_prompt_tokens is None and FlyrollConfig().data.over_length == "drop"
+    assert "data.over_length" in config_error(tmp_path, "data:\n  over_length: cut\n")

@@ -398,3 +398,20 @@ def test_processes_fetching_one_version_at_once_each_read_it_whole(tmp_path):
         got = pool.starmap(_fetch_and_hash, [(str(tmp_path / "cache"), str(tmp_path / "store"), barrier, 0.05 * i)
                                              for i in range(6)])
     assert got == [hashlib.sha256(data).hexdigest()] * 6
+
+
+def test_check_writable_refuses_a_read_only_store(tmp_path):
+    """Was: nothing checked; the first publish failed 27 s into a run with a bare OSError."""
+    from infra.store import StoreError
+
+    from tests.support.folders import read_only_folder
+
+    root = read_only_folder(tmp_path)
+    with pytest.raises(StoreError, match="not writable") as e:
+        ArtifactStore(root).check_writable()
+    assert root in str(e.value)
+
+
+def test_check_writable_leaves_nothing_behind(store):
+    store.check_writable()
+    assert not [p for p in store.fs.find(store._root_path) if "write-probe" in p] and store.list() == []

@@ -92,8 +92,8 @@ def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
     """RLVR run. config: path to a YAML preset (default: configs/tiny.yaml). restart: start a new run
     instead of resuming the last one with the same name and config."""
     spec, model_spec = prepare_run(config=config, restart=restart)
-    dataset = make_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
+    dataset = make_dataset(spec=spec, base=base)  # prompts bounded by the policy's tokenizer and context
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)

@@ -113,8 +113,8 @@ def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
     """Retrain from the champion. config: YAML preset (default configs/tiny.yaml); iterations: RL
     iterations to run (0 = only re-evaluate the champion)."""
     spec, model_spec = prepare_run(config=config, restart=True)          # always a new run
-    dataset = make_dataset(spec=spec)                                     # the config's dataset snapshot
     start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
+    dataset = make_dataset(spec=spec, base=start)                         # the config's dataset snapshot
     _, eval_every = loop_bounds(spec=spec)
     out = rl_loop(spec=spec, origin=start, start=start, reference=start, dataset=dataset, last=iterations, eval_every=eval_every)
     decision = promote(spec=spec, trained=out.policy, accuracy=out.accuracy, champion=start, dataset=dataset)

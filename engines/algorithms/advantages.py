@@ -39,7 +39,7 @@ def _discounted_returns(token_level_rewards: Tensor, response_mask: Tensor, gamm
     return returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group_baseline=True)
 @torch.no_grad()
 def grpo(
     token_level_rewards: Tensor,
@@ -69,7 +69,7 @@ def grpo(
     return (advantages, advantages), metrics
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group_baseline=True)
 @torch.no_grad()
 def rloo(
     token_level_rewards: Tensor,
@@ -158,7 +158,7 @@ def reinforce_plus_plus(
     return (advantages, returns * mask), {}
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", group_baseline=True)
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: Tensor,

@@ -44,7 +44,7 @@ def step_returns(step_rewards: Tensor, step_valid: Tensor, gamma: float) -> Tens
     return out
 
 
-@register_advantage("gigpo")
+@register_advantage("gigpo", group_baseline=True)
 @torch.no_grad()
 def gigpo(
     token_level_rewards: Tensor,

@@ -18,6 +18,11 @@ ADVANTAGES: dict[str, Callable] = {}
 """name → fn(token_level_rewards[B,T], response_mask[B,T], index[B], *, values, gamma, lam, ...)
 -> ((advantages[B,T], returns[B,T]), metrics)"""
 
+GROUP_BASELINE: set[str] = set()
+"""Advantage estimators whose baseline is the prompt's own group (registered with
+``group_baseline=True``): with one sample per prompt every advantage they give is 0, so the config
+refuses them with G = 1 (configs/schema.py)."""
+
 POLICY_LOSSES: dict[str, Callable] = {}
 """name → fn(logprobs[B,T], old_logprobs[B,T], advantages[B,T], response_mask[B,T], *,
 loss_agg_mode, num_tokens, num_seqs, ...) -> (loss scalar, metrics)"""
@@ -47,8 +52,11 @@ def _get(table: dict[str, Callable], kind: str, name: str) -> Callable:
         raise KeyError(f"unknown {kind} {name!r}; known: {sorted(table)}") from None
 
 
-def register_advantage(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register an advantage estimator under ``name``."""
+def register_advantage(name: str, *, group_baseline: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: register an advantage estimator under ``name``. ``group_baseline``: its baseline
+    is the prompt's group (GRPO, RLOO, ...), so it needs at least 2 samples per prompt."""
+    if group_baseline:
+        GROUP_BASELINE.add(name)
     return _register(ADVANTAGES, "advantage estimator", name)
 
 

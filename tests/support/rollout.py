@@ -23,4 +23,5 @@ def _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, name: str, rollou
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
     spec, model_spec = prepare_run(config=str(tmp_path / f"{name}.yaml"), restart=False)
-    return spec, build_base_policy(model_spec), make_dataset(spec=spec)
+    base = build_base_policy(model_spec)
+    return spec, base, make_dataset(spec=spec, base=base)
