@@ -14,9 +14,10 @@ from flytekit import Cache, task
 
 from configs.schema import load_config
 from infra import tracking
+from infra.ray_session import is_local_execution
 from infra.resources import check_placement, task_resources
 from infra.store import ArtifactStore
-from tasks.common import config_of, console, execution_id, store_of
+from tasks.common import config_of, console, execution_id, settle_published_iteration, store_of
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 if typing.TYPE_CHECKING:
@@ -44,6 +45,8 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     if cfg.model.reference_path:  # a missing reference fails here, not after the policy is bootstrapped
         check_model_path(cfg.model.reference_path, ArtifactStore(store_uri), "model.reference_path")
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
+    for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
+        console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
     if mlflow_run is None:
@@ -56,6 +59,7 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     else:
         tracking.set_tags(tracking_uri, mlflow_run, {"flyte.execution_id.resumed": execution_id()})
         console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
+    tracking.claim_run(tracking_uri, mlflow_run, end_on_exit=is_local_execution())  # RUNNING, owned by this process
     spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
     model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
                              "threads": cfg.run.torch_threads,
@@ -381,6 +385,8 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     key = versions[-1]
     version = int(key.rsplit("/v", 1)[-1])
     console.print(f"[bold]resume[/] from {key} (iteration {version})")
+    if owed := settle_published_iteration(spec, key):  # killed after its publish, before its metrics
+        console.print(f"[yellow]iteration {version}'s weight sync was cut short after its publish: logged {sorted(owed)}[/]")
     return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 from flytekit import dynamic, workflow
 
 from infra.resources import task_resources
-from tasks.common import config_of
+from tasks.common import config_of, logged
 from tasks.evaluation import evaluate, finalize
 from tasks.fused import evaluates, fused_iterations, generator_policy
 from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
@@ -60,7 +60,9 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`."""
     cfg = config_of(spec)
     policy, samples = start, pd.DataFrame()
-    accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 else -1.0
+    # at the run's start, and on a resume whose start version's evaluation never ran (killed in between)
+    owed = start.version > 0 and evaluates(start.version, last, eval_every) and not logged(spec, "eval/accuracy", start.version)
+    accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 or owed else -1.0
     end = min(last, start.version + CHUNK)
     versions = {start.version: start}  # the policies this node has, for generators that lag (off_policy_steps)
     it = start.version + 1
