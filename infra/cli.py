@@ -21,6 +21,10 @@ import importlib
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
+from engines.threads import set_wait_policy
+
+set_wait_policy()  # before any subcommand loads torch (engines/threads.py): bench, eval and their children
+
 # subcommand -> ("module:function" taking (argv: list[str]) -> int, one line of help)
 CORE = {
     "eval": ("infra.eval_cli:main", "evaluate a policy on an eval table, accuracy per domain as JSON"),

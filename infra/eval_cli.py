@@ -39,6 +39,10 @@ import os
 import sys
 import tempfile
 
+from engines.threads import set_torch_threads, set_wait_policy
+
+set_wait_policy()  # `python -m infra.eval_cli` too, before torch loads (engines/threads.py)
+
 REQUIRED_COLUMNS = ("prompt", "domain", "answer")
 SYNTHETIC_EVAL = "synthetic:eval"
 SYNTHETIC_EVAL_SIZE = 256
@@ -252,6 +256,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     if len(table) == 0:
         raise EvalError(f"--data {args.data!r}: the table has no rows")
     routes, models, timeout_s = reward_options(args.config)
+    set_torch_threads()  # as many as this process's cores, affinity and cgroup quota allow
     stop = stop_strings(args.stop, args.config)
     names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
              for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 
+from engines.threads import child_env
+
 MODES = ("shared", "per-task")  # FLYROLL_RAY: one local Ray instance for the run, or a cluster per task
 
 
@@ -62,10 +64,16 @@ def ensure_ray() -> None:
 
 
 def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict, options: dict) -> list:
-    """`count` actors of `actor_cls` for `role`; reused across tasks of a local run (named, per run)."""
+    """`count` actors of `actor_cls` for `role`; reused across tasks of a local run (named, per run).
+    Each actor process starts with the passive OpenMP wait policy and its torch thread count
+    (`init_kwargs["threads"]`, when it takes one) in its environment, set before it loads torch
+    (engines/threads.py `child_env`)."""
     import ray
 
     ensure_ray()
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**child_env(init_kwargs.get("threads"), options.get("num_cpus")), **runtime_env.get("env_vars", {})}
+    options = {**options, "runtime_env": runtime_env}
     actors = []
     for i in range(count):
         name = f"flyroll/{run_id}/{role}/{i}"

@@ -8,11 +8,22 @@ Everything here is idempotent, because Flyte retries tasks and a killed run is r
 it: a metric is logged at most once per (run, key, step) -- the first write wins, as MLflow has no
 way to delete or overwrite one point of a metric's history; the child run of an iteration and the
 model version of a checkpoint are looked up by tag before they are created. See docs/lineage.md.
+
+Nothing is left RUNNING: the process that opens or reopens a run (`claim_run`, `iteration_run`)
+tags it with its owner (host, pid, process start time); a local run's process marks the runs it
+owns FAILED when it exits before they end (an exception) and KILLED on SIGTERM; and a run whose
+owner was SIGKILLed -- still RUNNING, its owner's pid gone from this host -- is marked KILLED, with
+a tag saying why, by the next run that starts in its experiment (`end_orphaned_runs`). A resumed
+run or iteration sets its run back to RUNNING.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import socket
+import threading
 import time
 
 REGISTERED_MODEL = "flyroll-policy"
@@ -26,6 +37,122 @@ def resolve_tracking_uri(configured: str | None, output_dir: str) -> str:
     path = os.path.abspath(os.path.join(output_dir, "mlflow.db"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return f"sqlite:///{path}"
+
+
+OWNER_HOST, OWNER_PID, OWNER_START = "flyroll.owner_host", "flyroll.owner_pid", "flyroll.owner_start"
+END_REASON = "flyroll.end_reason"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat), to tell a recycled pid; None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_tags() -> dict[str, str]:
+    """This process as a run's owner: host, pid and its start time."""
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(os.getpid()), OWNER_START: _start_ticks(os.getpid()) or ""}
+
+
+def owner_gone(tags: dict[str, str]) -> bool:
+    """Whether the process named by a run's owner tags is known to be gone: it ran on this host and
+    its pid no longer exists, or now belongs to a process started at another time. An owner on
+    another host (a pod of a Flyte cluster) or a run without owner tags is never judged gone."""
+    if tags.get(OWNER_HOST) != socket.gethostname() or not tags.get(OWNER_PID, "").isdigit():
+        return False
+    pid = int(tags[OWNER_PID])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, another user's
+    started = _start_ticks(pid)
+    return bool(tags.get(OWNER_START)) and started is not None and started != tags[OWNER_START]
+
+
+def end_orphaned_runs(tracking_uri: str, experiment: str) -> list[str]:
+    """Mark KILLED every RUNNING run (parent or child) of `experiment` whose owner is gone
+    (`owner_gone`: killed, e.g. SIGKILL or OOM, without ending it), with a tag `flyroll.end_reason`
+    naming the owner and who found it. Returns their ids."""
+    c = client(tracking_uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    ended = []
+    for r in c.search_runs([exp.experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=10_000):
+        if owner_gone(r.data.tags):
+            me = owner_tags()
+            set_tags(tracking_uri, r.info.run_id, {
+                END_REASON: f"KILLED: its owner, process {r.data.tags[OWNER_PID]} on {r.data.tags[OWNER_HOST]}, is gone without "
+                            f"ending it (killed or crashed); found by process {me[OWNER_PID]} at {time.strftime('%Y-%m-%d %H:%M:%S')}"})
+            c.set_terminated(r.info.run_id, status="KILLED")
+            ended.append(r.info.run_id)
+    return ended
+
+
+_OWNED: dict[str, str] = {}   # run id -> tracking uri: runs this process ends (FAILED / KILLED) if it stops first
+_EXIT_HOOKS = threading.Lock()
+_HOOKED: list[bool] = []
+
+
+def claim_run(tracking_uri: str, run_id: str, end_on_exit: bool, status: str | None = None) -> None:
+    """Make this process the owner of run `run_id` (owner tags), set it RUNNING again when `status`
+    (its status, when the caller has it; else it is read) says it was ended (a resumed run or a
+    retried iteration), and with `end_on_exit` end it when this process exits before it is ended:
+    FAILED on exit (an exception), KILLED on SIGTERM. Only a process that runs the whole run should
+    pass `end_on_exit` (a local `pyflyte run`): a task pod on a Flyte cluster exits after its task
+    with the run going on."""
+    c = client(tracking_uri)
+    status = status or c.get_run(run_id).info.status
+    tags = owner_tags()
+    if status != "RUNNING":
+        c.update_run(run_id, status="RUNNING")
+        tags["flyroll.reopened_from"] = status
+    set_tags(tracking_uri, run_id, tags)
+    if end_on_exit:
+        _OWNED[run_id] = tracking_uri
+        _hook_exit()
+
+
+def _end_owned(status: str, reason: str) -> None:
+    """End the runs this process owns that are still RUNNING, as `status`, tagged with `reason`."""
+    for run_id, uri in list(_OWNED.items()):
+        try:
+            c = client(uri)
+            if c.get_run(run_id).info.status == "RUNNING":
+                set_tags(uri, run_id, {END_REASON: f"{status}: {reason} (process {os.getpid()} on {socket.gethostname()})"})
+                c.set_terminated(run_id, status=status)
+        except Exception:  # noqa: BLE001 -- the tracking server may be gone too; the next run ends it (end_orphaned_runs)
+            pass
+    _OWNED.clear()
+
+
+def _hook_exit() -> None:
+    """Once per process: end owned runs FAILED at exit, KILLED on SIGTERM (then the previous handler, or death)."""
+    with _EXIT_HOOKS:
+        if _HOOKED:
+            return
+        _HOOKED.append(True)
+    atexit.register(_end_owned, "FAILED", "the process exited before the run ended")
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        _end_owned("KILLED", "the process got SIGTERM")
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def client(tracking_uri: str):
@@ -96,11 +223,14 @@ def log_metrics(tracking_uri: str, run_id: str, metrics: dict[str, float], step:
 _CHILDREN: dict[tuple[str, str, int], str] = {}  # (tracking uri, parent run, iteration) -> child run id
 
 
-def iteration_run(tracking_uri: str, parent_run_id: str, iteration: int, tags: dict[str, str] | None = None) -> str:
+def iteration_run(tracking_uri: str, parent_run_id: str, iteration: int, tags: dict[str, str] | None = None,
+                  end_on_exit: bool = False) -> str:
     """The child run `iteration-NNNN` of a parent run: found by its tags (mlflow.parentRunId +
     flyroll.iteration) or created, so a resumed run or a retried task reuses it. `tags` are set
-    (overwritten) every call. Stages of one iteration run one after another, so two creators never
-    race; if they did, both children would be found and the oldest one used from then on."""
+    (overwritten) every call. The first call of a process claims it (`claim_run`: owner tags, RUNNING
+    again if a killed or failed attempt ended it, `end_on_exit`). Stages of one iteration run one
+    after another, so two creators never race; if they did, both children would be found and the
+    oldest one used from then on."""
     c = client(tracking_uri)
     cache_key = (tracking_uri, parent_run_id, iteration)
     run_id = _CHILDREN.get(cache_key)
@@ -111,12 +241,14 @@ def iteration_run(tracking_uri: str, parent_run_id: str, iteration: int, tags: d
                                                       f"tags.`flyroll.iteration` = '{iteration}'",
                               order_by=["attributes.start_time ASC"], max_results=1)
         if found:
-            run_id = found[0].info.run_id
+            run_id, status = found[0].info.run_id, found[0].info.status
         else:
             base = {"mlflow.parentRunId": parent_run_id, "flyroll.iteration": str(iteration)}
             if "flyroll.run_id" in parent.data.tags:
                 base["flyroll.run_id"] = parent.data.tags["flyroll.run_id"]
-            run_id = c.create_run(exp_id, run_name=f"iteration-{iteration:04d}", tags=base).info.run_id
+            run_id, status = c.create_run(exp_id, run_name=f"iteration-{iteration:04d}", tags=base).info.run_id, "RUNNING"
+        # a FINISHED child stays finished (its iteration is committed; its evaluation may still log into it)
+        claim_run(tracking_uri, run_id, end_on_exit, status="RUNNING" if status == "FINISHED" else status)
         _CHILDREN[cache_key] = run_id
     if tags:
         set_tags(tracking_uri, run_id, tags)
@@ -201,3 +333,4 @@ def set_alias(tracking_uri: str, alias: str, version: str) -> None:
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(tracking_uri).set_terminated(run_id, status=status)
+    _OWNED.pop(run_id, None)

@@ -17,6 +17,7 @@ from rich.console import Console
 from configs.schema import FlyrollConfig
 from engines.rollout_batch import COLUMNS, STAGES, Column
 from infra import ray_cluster, tracking
+from infra.ray_session import is_local_execution
 from infra.store import ArtifactStore
 from tasks.keys import parse_version_name, rollout_table_key, series_version
 from tasks.types import RunSpec
@@ -140,7 +141,8 @@ def iteration_run(spec: RunSpec, iteration: int, tags: dict[str, str] | None = N
     execution id and the rollout table's key and URI (plus `tags`)."""
     base = {"flyte.execution_id": execution_id(), "flyroll.rollout_table": rollout_table_key(spec, iteration),
             "flyroll.rollout_table_uri": f"{spec.store_uri.rstrip('/')}/{rollout_table_key(spec, iteration)}"}
-    return tracking.iteration_run(spec.tracking_uri, spec.mlflow_run_id, iteration, {**base, **(tags or {})})
+    return tracking.iteration_run(spec.tracking_uri, spec.mlflow_run_id, iteration, {**base, **(tags or {})},
+                                  end_on_exit=is_local_execution())
 
 
 def log_iteration_metrics(spec: RunSpec, iteration: int, metrics: dict[str, float]) -> None:
@@ -150,6 +152,40 @@ def log_iteration_metrics(spec: RunSpec, iteration: int, metrics: dict[str, floa
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, metrics, step=iteration)
     if iteration >= 1:
         tracking.log_metrics(spec.tracking_uri, iteration_run(spec, iteration), metrics, step=iteration)
+
+
+WEIGHT_SYNC_OWED = ("weight_sync/bytes", "timing/weight_sync_s")
+
+
+def settle_published_iteration(spec: RunSpec, key: str) -> dict[str, float]:
+    """What the weight sync of published policy version `key` owes MLflow when its process was killed
+    after the publish but before the stage ended (the resume starts after it, so nothing else would
+    log it): `weight_sync/bytes` (from the manifest) and `timing/weight_sync_s` (stage start to the
+    manifest write), at step=iteration in the parent and the iteration's child run, which is then
+    ended FINISHED (the iteration is committed). First write wins, so after a whole stage this logs
+    nothing. Returns what was written to the parent run."""
+    from datetime import datetime
+
+    m = store_of(spec).manifest(key)
+    iteration = int(m.metadata.get("iteration", 0))
+    if iteration < 1:
+        return {}
+    owed = {"weight_sync/bytes": float(sum(f.size for f in m.files.values()))}
+    if "weight_sync_started" in m.metadata and m.created_at:
+        owed["timing/weight_sync_s"] = max(0.0, datetime.fromisoformat(m.created_at).timestamp() - float(m.metadata["weight_sync_started"]))
+    written = tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id, owed, step=iteration)
+    child = tracking.iteration_run(spec.tracking_uri, spec.mlflow_run_id, iteration)
+    tracking.log_metrics(spec.tracking_uri, child, owed, step=iteration)
+    if tracking.client(spec.tracking_uri).get_run(child).info.status != "FINISHED":
+        tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": str(m.metadata.get("model_version", "")),
+                                                     "flyroll.settled": f"weight sync completed by a resume ({execution_id()})"})
+        tracking.end_run(spec.tracking_uri, child)
+    return written
+
+
+def logged(spec: RunSpec, key: str, step: int) -> bool:
+    """Whether the parent run has metric `key` at `step`."""
+    return bool(tracking.logged_at_step(tracking.client(spec.tracking_uri), spec.mlflow_run_id, [key], step))
 
 
 @contextmanager

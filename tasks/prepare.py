@@ -23,9 +23,10 @@ from engines.env_manager import solved_episodes
 from engines.pretrain import supervised_finetune
 from engines.synthetic import make_problems, teacher_demonstration
 from infra import tracking
+from infra.ray_session import is_local_execution
 from infra.resources import check_placement, task_resources
 from infra.store import ArtifactStore, StoreError
-from tasks.common import config_of, console, execution_id, store_of
+from tasks.common import config_of, console, execution_id, settle_published_iteration, store_of
 from tasks.keys import parse_policy_key, policy_prefix
 from tasks.prompts import BOOTSTRAP_SEED0
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -58,6 +59,8 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
         if path:  # a missing or broken model fails here, not after the policy is bootstrapped
             check_model_path(path, store, field)
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
+    for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
+        console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
     if mlflow_run is None:
@@ -70,6 +73,7 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     else:
         tracking.set_tags(tracking_uri, mlflow_run, {"flyte.execution_id.resumed": execution_id()})
         console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
+    tracking.claim_run(tracking_uri, mlflow_run, end_on_exit=is_local_execution())  # RUNNING, owned by this process
     spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
     model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
                              "threads": cfg.run.torch_threads,
@@ -442,6 +446,8 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     key = versions[-1]
     version = parse_policy_key(key).version
     console.print(f"[bold]resume[/] from {key} (iteration {version})")
+    if owed := settle_published_iteration(spec, key):  # killed after its publish, before its metrics
+        console.print(f"[yellow]iteration {version}'s weight sync was cut short after its publish: logged {sorted(owed)}[/]")
     return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
 
 

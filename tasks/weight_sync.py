@@ -11,6 +11,9 @@ generation actors are told to update their weights in place right away (no engin
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 
 import ray
 from flytekit import task
@@ -30,6 +33,7 @@ from tasks.types import DatasetRef, PolicyRef, RunSpec
 @task(**task_resources("weight_sync"))
 def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef, dataset: DatasetRef, iteration: int) -> PolicyRef:
     metrics: dict[str, float] = {}
+    started = time.time()  # in the manifest: a resume after a kill past the publish logs the stage's time (tasks/common.py)
     with stage(spec, "weight_sync", iteration, metrics):
         local = checkpoint.download()
         key = policy_key(spec, iteration)
@@ -51,7 +55,8 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
                                  execution_id=execution_id(),
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
                                            "rollout_table": rollouts, "model_version": version,
-                                           "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child, **deferred})
+                                           "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child,
+                                           "weight_sync_started": started, **deferred})
         prune_trainer_states(store, spec, iteration, config_of(spec).run.keep_trainer_states)
         tracking.set_tags(spec.tracking_uri, child, {"flyroll.model_version": version})
         tracking.end_run(spec.tracking_uri, child)  # the iteration is committed; its evaluation may still log into it

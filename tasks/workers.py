@@ -14,6 +14,8 @@ import typing
 
 import ray
 
+from engines.threads import thread_count  # os only at import time (torch inside its functions)
+
 # Everything else is imported inside the actors' methods, on purpose: an actor's process sets its torch
 # threads (`_engine_process`) before torch and the engines load, and a driver importing this module
 # (to create the actors) loads none of them.
@@ -24,22 +26,24 @@ if typing.TYPE_CHECKING:  # annotations only (the actors import at run time, ins
     from engines.rollout_batch import RolloutBatch
 
 
-def capped_threads(n: int) -> int:
-    """`n`, capped by the env var FLYROLL_MAX_TORCH_THREADS when it is set."""
-    cap = os.environ.get("FLYROLL_MAX_TORCH_THREADS")
-    return max(1, min(n, int(cap))) if cap else max(1, n)
+def capped_threads(n: int, ray_cpus: float | None = None) -> int:
+    """`n`, capped by the cores this process may use (affinity, cgroup quota, `ray_cpus`), a user's
+    OMP_NUM_THREADS and FLYROLL_MAX_TORCH_THREADS when set (engines/threads.py `thread_count`)."""
+    return thread_count(n, ray_cpus)
 
 
 def _engine_process(n: int) -> None:
-    """An engine actor's process set-up: `n` torch threads (at most FLYROLL_MAX_TORCH_THREADS when set:
-    several runs sharing a box, e.g. the test suite's workers, would otherwise oversubscribe its
-    cores), and freed memory kept for reuse (engines/host_memory.py: no page faults on every large
-    tensor of every step)."""
+    """An engine actor's process set-up: `n` torch threads, capped by its cores and Ray CPU reservation
+    (and FLYROLL_MAX_TORCH_THREADS when set: several runs sharing a box, e.g. the test suite's
+    workers, would otherwise oversubscribe its cores) -- its OpenMP threads already wait passively
+    (infra/ray_session.py `actor_pool` starts it so) -- and freed memory kept for reuse
+    (engines/host_memory.py: no page faults on every large tensor of every step)."""
     import torch
 
     from engines.host_memory import keep_freed_memory
 
-    torch.set_num_threads(capped_threads(n))
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") if ray.is_initialized() else None
+    torch.set_num_threads(capped_threads(n, cpus))
     keep_freed_memory()
 
 

@@ -22,7 +22,7 @@ import pandas as pd
 from flytekit import dynamic, workflow
 
 from infra.resources import task_resources
-from tasks.common import config_of
+from tasks.common import config_of, logged
 from tasks.evaluation import evaluate, finalize
 from tasks.fused import fused_iterations
 from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
@@ -63,7 +63,9 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
             eval_every: int) -> LoopOut:
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`."""
     cfg = config_of(spec)
-    accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 else -1.0
+    # at the run's start, and on a resume whose start version's evaluation never ran (killed in between)
+    owed = start.version > 0 and evaluates(start.version, last, eval_every) and not logged(spec, "eval/accuracy", start.version)
+    accuracy = evaluate(spec=spec, policy=start, dataset=dataset) if start.version == 0 or owed else -1.0
     end = min(last, start.version + CHUNK)
     if cfg.loop.fuse > 1:  # up to `fuse` iterations, with their evaluations, in one task on one Ray cluster
         policy, samples = start, pd.DataFrame()
