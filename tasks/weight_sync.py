@@ -11,8 +11,6 @@ generation actors are told to update their weights in place right away (no engin
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import ray
