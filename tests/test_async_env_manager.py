@@ -123,7 +123,7 @@ def test_identical_with_the_tiny_policy_greedy():
 class _Scripted:
     """FrozenLake whose step misbehaves on chosen seeds: ``raise`` raises, ``hang`` blocks on ``release``,
     ``kill_once`` SIGKILLs its own process the first time (a marker file remembers), ``kill`` every time,
-    ``slow`` sleeps 0.3 s per step."""
+    ``slow`` sleeps 1 s per step."""
     name, invalid_penalty = "scripted", -0.1
     behaviour: ClassVar[dict[int, str]] = {}
     release = threading.Event()
@@ -144,7 +144,7 @@ class _Scripted:
         if how == "hang":
             self.release.wait(30)
         if how == "slow":
-            time.sleep(0.3)
+            time.sleep(1.0)
         if how == "kill" or (how == "kill_once" and self._first_to_mark()):
             os.kill(os.getpid(), 9)
         return self.env.step(action_text)
@@ -188,7 +188,7 @@ def test_a_hanging_environment_ends_only_its_episode(scripted, pool_kind):
     scripted.behaviour = {1: "hang"}   # from here on (forked workers copy it at their start)
     pool = (ThreadEnvPool(EnvSpec("scripted"), threads=4) if pool_kind == "threads"
             else ProcessEnvPool(EnvSpec("scripted"), workers=2))
-    out = run_async("scripted", [0, 1, 2], G=1, pool=pool, step_timeout_s=0.5)
+    out = run_async("scripted", [0, 1, 2], G=1, pool=pool, step_timeout_s=1.0)
     hung = out.episodes[1]
     assert hung.env_timeout and hung.env_error.startswith("EnvTimeout: step 0") and hung.turns == 1 and not hung.done
     others = [e for e in out.episodes if e.seed != 1]
@@ -258,25 +258,45 @@ def test_the_router_batches_concurrent_requests_across_engines():
     assert 0 < out.metrics["env_manager/engine_busy_share"] <= 1
 
 
-def test_policy_versions_are_recorded_per_turn(scripted):
-    """A new version published while episodes run: later turns record it; staleness = current − oldest."""
+class _Endless:
+    """Never ends; its second step (turn 1) of seed 0 calls ``hook`` (set by the test) before answering."""
+    name, instructions, invalid_penalty = "endless", "endless\n", -0.1
+    hook = None
+
+    def reset(self, seed):
+        self.seed, self.turn = seed, 0
+        return "move: "
+
+    def step(self, action_text):
+        if self.seed == 0 and self.turn == 1:
+            _Endless.hook()
+        self.turn += 1
+        return "move: ", 0.0, False, {"valid_action": True, "effective": True, "success": False}
+
+    def state_key(self):
+        return str(self.turn)
+
+    def solve(self):
+        return None
+
+
+def test_policy_versions_are_recorded_per_turn(monkeypatch):
+    """A version published while episodes run (from seed 0's second step) shows in later turns;
+    staleness = current version − oldest version of the episode."""
     tok = build_char_tokenizer()
-    engine = PromptHashEngine(tok)
-    router = BatchingRouter([engine], max_batch=8, max_wait_s=0.005)
-    scripted.behaviour = {s: "slow" for s in range(4)}
-    pool = ThreadEnvPool(EnvSpec("scripted"), threads=8)
-    publisher = threading.Timer(0.45, router.publish, args=(1,))                # during the second step's sleep
-    publisher.start()
+    router = BatchingRouter([PromptHashEngine(tok)], max_batch=8, max_wait_s=0.005)
+    monkeypatch.setitem(ENVIRONMENTS, "endless", _Endless)
+    monkeypatch.setattr(_Endless, "hook", staticmethod(lambda: router.publish(1)))
+    pool = ThreadEnvPool(EnvSpec("endless"), threads=8)
     try:
-        out = run_groups(router, pool, tok, "scripted", [0, 1], group_size=2, max_turns=4, max_context_tokens=1500,
-                         sampling=SamplingParams(max_new_tokens=8, stop=("\n",)))
+        out = run_groups(router, pool, tok, "endless", [0, 1], group_size=2, max_turns=4, max_context_tokens=1500,
+                         sampling=SAMPLING)
     finally:
-        publisher.join()
         router.close()
         pool.shutdown()
-    assert out.policy_version == 1
+    assert out.policy_version == 1 and all(ep.turns == 4 for ep in out.episodes)
     for ep in out.episodes:
-        assert len(ep.policy_versions) == ep.turns and ep.policy_versions == sorted(ep.policy_versions)
-    long = [ep for ep in out.episodes if ep.turns >= 3]
-    assert long and all(ep.policy_versions[0] == 0 and ep.policy_versions[-1] == 1 for ep in long)
-    assert all(staleness(ep, 1) == 1 for ep in long) and out.metrics["env_manager/staleness_max"] == 1
+        assert len(ep.policy_versions) == 4 and ep.policy_versions == sorted(ep.policy_versions)
+    # the first seed-0 episode to reach its turn-1 step generated turns 0 and 1 before it published
+    assert [0, 0, 1, 1] in [ep.policy_versions for ep in out.episodes if ep.seed == 0]
+    assert out.metrics["env_manager/staleness_max"] == max(staleness(ep, 1) for ep in out.episodes) == 1
