@@ -55,6 +55,8 @@ class Episode:
     truncated: bool = False              # stopped by max_context_tokens
     env_error: str | None = None         # the exception an env.step raised, if any
     final_reply: str = ""                # the environment's last reply (not in the token sequence)
+    env_timeout: bool = False            # async manager: a step ran past its timeout (env_error says so)
+    policy_versions: list[int] = field(default_factory=list)  # async manager: engine's policy version at each turn
 
     @property
     def turns(self) -> int:
@@ -167,13 +169,11 @@ def run_episodes(
             env = make_env(env_name, **(env_kwargs or {}))
             try:
                 observation = env.reset(seed)
-                first = fmt.first(env.instructions, observation) if fmt else env.instructions + observation
+                first = first_prompt(fmt, env.instructions, observation)
             except Exception as e:  # a broken reset is a configuration error: say which seed
                 raise RuntimeError(f"environment {env_name!r} failed to reset with seed {seed}: {e!r}") from e
             ids = _encode(tokenizer, first)
-            if len(ids) + sampling.max_new_tokens > max_context_tokens:
-                raise ValueError(f"max_context_tokens={max_context_tokens} is too small: the first prompt of {env_name!r} "
-                                 f"seed {seed} has {len(ids)} tokens + max_new_tokens={sampling.max_new_tokens}")
+            check_first_prompt(ids, env_name, seed, sampling.max_new_tokens, max_context_tokens)
             envs.append(env)
             episodes.append(Episode(seed=seed, group_id=g, sample_id=s, prompt=first, prompt_token_ids=ids))
     live = list(range(len(episodes)))
@@ -186,39 +186,82 @@ def run_episodes(
         still_live = []
         for i, comp in zip(live, completions):
             ep, env = episodes[i], envs[i]
-            ep.state_keys.append(env.state_key())
-            ep.response_token_ids += comp.token_ids
-            ep.loss_mask += [1] * len(comp.token_ids)
-            ep.behaviour_logprobs += [float(x) for x in comp.logprobs]
-            ep.turn_index += [turn] * len(comp.token_ids)
-            action = tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-            ep.actions.append(action)
+            action = record_action(ep, comp.token_ids, comp.logprobs, turn, env.state_key(), tokenizer)
             try:
                 observation, reward, done, info = env.step(action)
             except Exception as e:  # costs this episode only
-                observation, reward, done, info = "", 0.0, True, {"valid_action": False, "effective": False, "success": False}
-                ep.env_error = f"{type(e).__name__}: {e}"
-            ep.turn_rewards.append(float(reward))
-            ep.valid_actions.append(bool(info.get("valid_action", False)))
-            ep.effective_actions.append(bool(info.get("effective", False)))
-            ep.success = bool(info.get("success", False))
-            if done or ep.env_error is not None or turn == max_turns - 1:
-                ep.done, ep.final_reply = bool(done) and ep.env_error is None, observation
-                continue
-            reply = fmt.reply(comp.token_ids, observation) if fmt else reply_text(action, observation)
-            reply_ids = _encode(tokenizer, reply)
-            context_len = len(ep.prompt_token_ids) + len(ep.response_token_ids) + len(reply_ids)
-            if context_len + sampling.max_new_tokens > max_context_tokens:
-                ep.truncated, ep.final_reply = True, reply
-                continue
-            ep.env_replies.append(reply)
-            ep.response_token_ids += reply_ids
-            ep.loss_mask += [0] * len(reply_ids)
-            ep.behaviour_logprobs += [0.0] * len(reply_ids)
-            ep.turn_index += [-1] * len(reply_ids)
-            still_live.append(i)
+                observation, reward, done, info = "", 0.0, True, FAILED_STEP_INFO
+                ep.env_error = env_error_text(e)
+            if record_reply(ep, comp.token_ids, action, observation, reward, done, info, last_turn=turn == max_turns - 1,
+                            tokenizer=tokenizer, fmt=fmt, max_new_tokens=sampling.max_new_tokens,
+                            max_context_tokens=max_context_tokens):
+                still_live.append(i)
         live = still_live
     return episodes
+
+
+# The pieces of one turn, shared with the asynchronous manager (engines/async_env_manager.py) so both
+# build episodes by the same rules.
+
+FAILED_STEP_INFO = {"valid_action": False, "effective": False, "success": False}  # info of a step that raised
+
+
+def env_error_text(e: BaseException) -> str:
+    """``Episode.env_error`` of an exception an environment raised: ``"Type: message"``."""
+    return f"{type(e).__name__}: {e}"
+
+
+def first_prompt(fmt: "ChatFormat | None", instructions: str, observation: str) -> str:
+    """The first prompt's text: the chat template's system + user turns, or instructions + observation."""
+    return fmt.first(instructions, observation) if fmt else instructions + observation
+
+
+def check_first_prompt(ids: list[int], env_name: str, seed: int, max_new_tokens: int, max_context_tokens: int) -> None:
+    """A first prompt that cannot fit one turn is a ``ValueError`` naming ``max_context_tokens``."""
+    if len(ids) + max_new_tokens > max_context_tokens:
+        raise ValueError(f"max_context_tokens={max_context_tokens} is too small: the first prompt of {env_name!r} "
+                         f"seed {seed} has {len(ids)} tokens + max_new_tokens={max_new_tokens}")
+
+
+def record_action(ep: Episode, token_ids: list[int], logprobs: list[float], turn: int, state_key: str, tokenizer) -> str:
+    """Append turn ``turn``'s generated ids (loss 1, their log-probs) to ``ep``, with the state the
+    action was taken in; returns the decoded action."""
+    ep.state_keys.append(state_key)
+    ep.response_token_ids += token_ids
+    ep.loss_mask += [1] * len(token_ids)
+    ep.behaviour_logprobs += [float(x) for x in logprobs]
+    ep.turn_index += [turn] * len(token_ids)
+    action = tokenizer.decode(token_ids, skip_special_tokens=True)
+    ep.actions.append(action)
+    return action
+
+
+def record_reply(ep: Episode, action_ids: list[int], action: str, observation: str, reward: float, done: bool,
+                 info: dict, *, last_turn: bool, tokenizer, fmt: "ChatFormat | None", max_new_tokens: int,
+                 max_context_tokens: int) -> bool:
+    """Record the environment's answer to the action just recorded: the turn's reward and flags, then
+    either the end of the episode (done, an error in ``ep.env_error``, the last turn, or truncation:
+    the reply is kept in ``final_reply`` only) or the reply appended with loss 0. True while the
+    episode goes on."""
+    ep.turn_rewards.append(float(reward))
+    ep.valid_actions.append(bool(info.get("valid_action", False)))
+    ep.effective_actions.append(bool(info.get("effective", False)))
+    ep.success = bool(info.get("success", False))
+    if done or ep.env_error is not None or last_turn:
+        ep.done, ep.final_reply = bool(done) and ep.env_error is None, observation
+        return False
+    reply = fmt.reply(action_ids, observation) if fmt else reply_text(action, observation)
+    reply_ids = _encode(tokenizer, reply)
+    context_len = len(ep.prompt_token_ids) + len(ep.response_token_ids) + len(reply_ids)
+    if context_len + max_new_tokens > max_context_tokens:
+        ep.truncated, ep.final_reply = True, reply
+        return False
+    ep.env_replies.append(reply)
+    ep.response_token_ids += reply_ids
+    ep.loss_mask += [0] * len(reply_ids)
+    ep.behaviour_logprobs += [0.0] * len(reply_ids)
+    ep.turn_index += [-1] * len(reply_ids)
+    return True
 
 
 def token_rewards(episode: Episode, per_turn: bool = False) -> list[float]:

@@ -1,0 +1,166 @@
+"""Agentic rollout throughput: the lock-step manager vs the asynchronous one, same run, side by side.
+
+Both play the same episodes (same seeds, same tiny policy, same sampling) of FrozenLake wrapped so
+that each environment step costs time:
+  - ``lognormal``: the step sleeps a long-tailed latency, lognormal with median ``--median-ms`` and
+    shape ``--sigma`` (sigma 1.5: mean 3.1x the median, p99 33x), drawn from (seed, sample, turn) so
+    both managers wait the same;
+  - ``sandbox``: the step first runs ``print(1+1)`` in the real sandbox (engines/sandbox.py,
+    bubblewrap), as a Python tool call would.
+Lock-step (engines/env_manager.py) steps the live episodes one after another inside its turn loop,
+then generates once for all; async (engines/async_env_manager.py) steps them on ``--env-threads``
+threads (``ThreadEnvPool``) while the router (``BatchingRouter``) batches whatever requests are
+pending. Printed per side: episodes/s and the generation engine's busy share (seconds inside
+``generate`` / wall seconds). Sides alternate, ``--repeats`` times each. Asserts nothing.
+
+    python -m benchmarks.agentic_throughput [--seeds 8] [--group-size 4] [--max-turns 6] [--env-threads 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import time
+
+import torch
+
+from engines.async_env_manager import run_groups
+from engines.env_manager import run_episodes
+from engines.env_workers import EnvSpec, ThreadEnvPool
+from engines.envs import ENVIRONMENTS, make_env
+from engines.generation import HFGenerationEngine, SamplingParams
+from engines.generation_router import BatchingRouter
+from engines.modeling import build_tiny_policy
+from engines.sandbox import run_program
+
+
+class SlowFrozenLake:
+    """FrozenLake whose every step first waits: a lognormal sleep (``latency="lognormal"``) or a
+    sandboxed ``print(1+1)`` (``latency="sandbox"``)."""
+    name, invalid_penalty = "slow_frozenlake", -0.1
+    counter = 0   # tells apart the G episodes of a seed (same seed, different latency draws)
+
+    def __init__(self, latency: str = "lognormal", median_ms: float = 10.0, sigma: float = 1.5):
+        self.env = make_env("frozenlake", size=4)
+        self.instructions = self.env.instructions
+        self.latency, self.median_ms, self.sigma = latency, median_ms, sigma
+
+    def reset(self, seed: int) -> str:
+        SlowFrozenLake.counter += 1
+        self.rng = random.Random(seed * 1000 + SlowFrozenLake.counter % 1000)
+        return self.env.reset(seed)
+
+    def step(self, action_text: str):
+        if self.latency == "sandbox":
+            verdict = run_program("print(1+1)", timeout_s=10)
+            if verdict.stdout.strip() != "2":
+                raise RuntimeError(f"sandbox: {verdict.verdict} {verdict.stderr[-200:]}")
+        else:
+            time.sleep(self.median_ms / 1000 * math.exp(self.sigma * self.rng.gauss(0.0, 1.0)))
+        return self.env.step(action_text)
+
+    def state_key(self) -> str:
+        return self.env.state_key()
+
+    def solve(self):
+        return None
+
+
+class TimedEngine:
+    """An engine that adds up the seconds spent in ``generate`` (lock-step's busy share)."""
+
+    def __init__(self, inner):
+        self.inner, self.busy_s, self.calls = inner, 0.0, 0
+
+    def generate(self, prompt_token_ids, params, abort=None):
+        start = time.perf_counter()
+        try:
+            return self.inner.generate(prompt_token_ids, params)
+        finally:
+            self.busy_s += time.perf_counter() - start
+            self.calls += 1
+
+
+def lockstep_side(engine, tok, seeds, args, env_kwargs):
+    timed = TimedEngine(engine)
+    SlowFrozenLake.counter = 0
+    start = time.perf_counter()
+    eps = run_episodes(timed, tok, "slow_frozenlake", seeds, group_size=args.group_size, max_turns=args.max_turns,
+                       max_context_tokens=args.max_context, sampling=sampling(args), env_kwargs=env_kwargs)
+    wall = time.perf_counter() - start
+    turns = sum(e.turns for e in eps)
+    return len(eps) / wall, timed.busy_s / wall, timed.calls, turns / max(timed.calls, 1), wall
+
+
+def async_side(engine, tok, seeds, args, env_kwargs):
+    router = BatchingRouter([engine], max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000)
+    pool = ThreadEnvPool(EnvSpec("slow_frozenlake", env_kwargs), threads=args.env_threads)
+    SlowFrozenLake.counter = 0
+    try:
+        out = run_groups(router, pool, tok, "slow_frozenlake", seeds, group_size=args.group_size,
+                         max_turns=args.max_turns, max_context_tokens=args.max_context, sampling=sampling(args),
+                         step_timeout_s=60.0)
+    finally:
+        router.close()
+        pool.shutdown()
+    m = out.metrics
+    return (m["env_manager/episodes_per_s"], m["env_manager/engine_busy_share"], int(m["env_manager/generate_calls"]),
+            m["env_manager/mean_batch_size"], m["env_manager/seconds"])
+
+
+def sampling(args) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_new_tokens=6, stop=("\n",), seed=0)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-context", type=int, default=400)
+    p.add_argument("--median-ms", type=float, default=10.0)
+    p.add_argument("--sigma", type=float, default=1.5)
+    p.add_argument("--env-threads", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-wait-ms", type=float, default=20.0)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--scenarios", default="lognormal,sandbox")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    ENVIRONMENTS["slow_frozenlake"] = SlowFrozenLake   # the benchmark's own environment, by name for both managers
+    model, tok = build_tiny_policy(hidden_size=64, num_layers=2, num_heads=2, max_positions=512, seed=0)
+    engine = HFGenerationEngine(model.eval(), tok)
+    seeds = list(range(args.seeds))
+    print(f"{args.seeds} seeds x G={args.group_size} = {args.seeds * args.group_size} episodes, <= {args.max_turns} turns; "
+          f"tiny policy (64 hidden, 2 layers); torch threads {torch.get_num_threads()}, env threads (async) "
+          f"{args.env_threads}, router max_batch {args.max_batch} max_wait {args.max_wait_ms} ms; cpus {os.cpu_count()}, "
+          f"load {os.getloadavg()[0]:.1f}")
+    rows = []
+    for scenario in args.scenarios.split(","):
+        kw = {"latency": scenario, "median_ms": args.median_ms, "sigma": args.sigma}
+        for r in range(args.repeats):
+            for name, side in (("lock-step", lockstep_side), ("async", async_side)):
+                eps_s, busy, calls, batch, wall = side(engine, tok, seeds, args, kw)
+                rows.append((scenario, name, r, eps_s, busy, calls, batch, wall))
+                print(f"  {scenario:9} {name:9} repeat {r}: {eps_s:6.2f} episodes/s, busy {busy:5.1%}, {wall:6.2f} s",
+                      flush=True)
+    print()
+    print("| step latency | manager | episodes/s | engine busy share | generate calls | mean batch | wall s | env threads |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for scenario in args.scenarios.split(","):
+        for name in ("lock-step", "async"):
+            mine = [row for row in rows if row[0] == scenario and row[1] == name]
+            n = len(mine)
+            mean = [sum(row[k] for row in mine) / n for k in range(3, 8)]
+            threads = "0 (in the loop)" if name == "lock-step" else str(args.env_threads)
+            label = (f"lognormal median {args.median_ms:g} ms, sigma {args.sigma:g}" if scenario == "lognormal"
+                     else "sandbox print(1+1)")
+            print(f"| {label} | {name} | {mean[0]:.2f} | {mean[1]:.1%} | {mean[2]:.0f} | {mean[3]:.1f} | {mean[4]:.2f} | "
+                  f"{threads} |")
+
+
+if __name__ == "__main__":
+    main()
