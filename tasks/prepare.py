@@ -43,6 +43,8 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     store_uri = cfg.run.store_uri or os.environ.get("FLYROLL_STORE_URI") or os.path.join(out_dir, "store")
     if cfg.model.reference_path:  # a missing reference fails here, not after the policy is bootstrapped
         check_model_path(cfg.model.reference_path, ArtifactStore(store_uri), "model.reference_path")
+    # one process per run id: refused here, naming the holder, before the MLflow run is opened or resumed
+    ArtifactStore(store_uri).lock_run(run_id, execution_id=execution_id())
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
     tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
@@ -367,6 +369,9 @@ def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyR
 @task(**task_resources("weight_sync"))
 def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     """Where the loop starts: the last published policy of this run (resume), else the base policy.
+    The last version's files are re-hashed against its manifest first (a rerun of a finished run
+    checks its final policy too): a corrupt one raises `CorruptArtifact` naming the earlier version
+    to go back to.
 
     A cached `bootstrap_policy` output can outlive its artifact (someone deleted the store folder):
     then the base is rebuilt here, so a cache hit never hands the loop a missing checkpoint."""
@@ -380,8 +385,9 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
         return base
     key = versions[-1]
     version = int(key.rsplit("/v", 1)[-1])
-    console.print(f"[bold]resume[/] from {key} (iteration {version})")
-    return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
+    manifest = store_of(spec).verify(key)  # every file re-hashed: a corrupt version is never resumed from (nor a finished run's final policy passed)
+    console.print(f"[bold]resume[/] from {key} (iteration {version}, hashes verified)")
+    return PolicyRef(key=key, version=version, model_version=manifest.metadata.get("model_version", ""))
 
 
 LoopBounds = typing.NamedTuple("LoopBounds", [("last", int), ("eval_every", int)])
