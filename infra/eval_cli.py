@@ -11,7 +11,8 @@
           version published in the artifact store (`file:///data/store/runs/r1/policy/v0003`,
           `s3://bucket/prefix/runs/...`; the version's MANIFEST.json names its key, which splits the
           URI into store root + key), or with --store, the version's key. Store versions are fetched
-          (sha256-checked) to a temporary folder.
+          (sha256-checked) to a temporary folder; a local directory holding a MANIFEST.json (a version
+          folder of a local store) is checked in place against it. A corrupt version is refused (exit 2).
 --data    a parquet, JSONL or CSV table with columns prompt, domain, answer (plus whatever the
           reward reads: tests, metadata -- as values, or as the JSON text make_dataset writes), or
           `synthetic:eval` for the bundled fixed eval split.
@@ -177,6 +178,10 @@ def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
         if "://" not in model:
             if not os.path.isdir(model):
                 raise EvalError(f"--model {model!r}: no such model directory; expected {MODEL_FORMS}")
+            try:  # a version folder of a local store (it holds MANIFEST.json): its files are checked in place
+                ArtifactStore.verify_dir(model)
+            except StoreError as e:
+                raise EvalError(f"--model {model!r}: {e}") from e
             return model
         store_root, key = _split_store_uri(model)
     else:

@@ -10,7 +10,16 @@ versions, the producing task and Flyte execution id. Readers trust only a manife
 - a published version is immutable: publishing different content to the same key raises
   `ArtifactExists`, publishing identical content again (a retried task) returns the manifest
   (`prune` drops files of old checkpoints; `delete` removes a version, used only for a partial
-  rollout's carry, which a rerun of its iteration replaces).
+  rollout's carry, which a rerun of its iteration replaces);
+- one writer per key: a publisher first takes the key's lease (`<key>/.publishing/`, infra/leases.py),
+  and the manifest is committed with an atomic create-if-absent, so of two processes publishing one
+  key exactly one wins; the other waits for it and gets `ArtifactExists` (or, with identical files,
+  the winner's manifest and a log line saying so);
+- one run per run id: `lock_run` takes the run's lease (`runs/<run_id>/.lock/`), naming the holder
+  when it is taken (`RunLocked`);
+- verified reads: `verify` re-hashes a published version in place, `verify_dir` a version's folder
+  on a local disk, `check_fetched` a fetched copy (against the stamp `fetch` wrote), and a corrupt
+  version's error names the newest earlier version that verifies (`recovery_hint`).
 
 Roots: a local folder (`/data/store`, `file:///data/store`) or `s3://bucket/prefix` through s3fs.
 S3 endpoint and credentials come from `storage_options` (`endpoint_url`, `key`, `secret`) or the
@@ -22,6 +31,7 @@ See docs/storage.md.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import json
@@ -35,10 +45,15 @@ from typing import Any, Callable, TypeVar
 
 import fsspec
 
+from infra import leases
+
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "flyroll-manifest/1"
+STAMP_NAME = ".verified.json"  # beside a fetched copy: per file (sha256, size, inode, mtime_ns, ctime_ns) once verified
+PUBLISHING = ".publishing"  # <key>/.publishing/<generation>: the lease of the process publishing `key`
+LOCK_STALE_S = float(os.environ.get("FLYROLL_LOCK_STALE_S", "120"))  # another host's lease: stale after this
 _T = TypeVar("_T")
 
 
@@ -65,12 +80,75 @@ class StoreUnavailable(StoreError):
     """The object store did not answer after all retries."""
 
 
+class RunLocked(StoreError):
+    """Another live process holds the run's lock (`holder`: its lease record)."""
+
+    def __init__(self, message: str, holder: dict[str, Any]):
+        super().__init__(message)
+        self.holder = holder
+
+
+def run_lock_key(run_id: str) -> str:
+    """The run lock's folder in the store: `runs/<run_id>/.lock` (leases as `<generation>` under it)."""
+    return f"runs/{run_id}/.lock"
+
+
+_RUN_LOCKS: dict[tuple[str, str], leases.Lease] = {}  # (store root, run id) -> the lease this process holds
+
+
 def sha256_file(path: str, chunk_bytes: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _stat_stamp(path: str) -> dict[str, int]:
+    st = os.stat(path)
+    return {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _read_stamp(local_dir: str, key: str) -> dict[str, dict]:
+    try:
+        with open(os.path.join(local_dir, STAMP_NAME)) as f:
+            d = json.load(f)
+        return d["files"] if d.get("key") == key and isinstance(d.get("files"), dict) else {}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return {}
+
+
+def _write_stamp(local_dir: str, key: str, entries: dict[str, FileEntry], merge: bool = True) -> None:
+    """Record, for files of `key` just verified in `local_dir`, their sha256 and their stat stamp."""
+    files = _read_stamp(local_dir, key) if merge else {}
+    for rel, e in entries.items():
+        files[rel] = {"sha256": e.sha256, **_stat_stamp(os.path.join(local_dir, *rel.split("/")))}
+    tmp = os.path.join(local_dir, f"{STAMP_NAME}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "files": files}, f, sort_keys=True)
+    os.replace(tmp, os.path.join(local_dir, STAMP_NAME))
+
+
+def _check_local(local_dir: str, key: str, entries: dict[str, "FileEntry"]) -> list[str]:
+    """The files of `entries` that do not match in `local_dir`: a stamped file whose stat is unchanged
+    is trusted, any other is re-hashed (and stamped again when it matches)."""
+    stamp, bad, rehashed = _read_stamp(local_dir, key), [], {}
+    for rel, want in sorted(entries.items()):
+        lp = os.path.join(local_dir, *rel.split("/"))
+        if not os.path.isfile(lp):
+            bad.append(rel)
+            continue
+        s = stamp.get(rel)
+        if s and s.get("sha256") == want.sha256 and s.get("size") == want.size and \
+                {k: s.get(k) for k in ("size", "ino", "mtime_ns", "ctime_ns")} == _stat_stamp(lp):
+            continue
+        if os.path.getsize(lp) == want.size and sha256_file(lp) == want.sha256:
+            rehashed[rel] = want
+        else:
+            bad.append(rel)
+    if rehashed and not bad:
+        _write_stamp(local_dir, key, rehashed)
+    return bad
 
 
 @dataclass(frozen=True)
@@ -166,12 +244,13 @@ class ArtifactStore:
     """Immutable, hash-checked artifact versions under one root (local folder or s3://)."""
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None,
-                 retries: int = 4, backoff_s: float = 0.5):
+                 retries: int = 4, backoff_s: float = 0.5, publish_wait_s: float = 600.0):
         if not root:
             raise ValueError("ArtifactStore root is empty: expected a folder path, file:// or s3:// URI")
         self.root = root.rstrip("/") or "/"
         self.retries = retries
         self.backoff_s = backoff_s
+        self.publish_wait_s = publish_wait_s  # how long a publisher waits for another one publishing the same key
         protocol = fsspec.core.split_protocol(self.root)[0] or "file"
         if protocol == "file":
             self.fs = fsspec.filesystem("file", auto_mkdir=True)
@@ -259,10 +338,11 @@ class ArtifactStore:
         return sorted(k for k in keys if k)
 
     def fetch(self, key: str, local_dir: str, verify: bool = True, skip: tuple[str, ...] = (),
-              include: tuple[str, ...] | None = None) -> str:
+              include: tuple[str, ...] | None = None, stamp: bool = False) -> str:
         """Download every file of a version into local_dir and check it against the manifest;
         `skip`: leave out the files whose relative path starts with one of these; `include`: only
-        the files whose relative path starts with one of these (None: all)."""
+        the files whose relative path starts with one of these (None: all); `stamp`: record the
+        verified files' stat stamps in local_dir/.verified.json, for `check_fetched` (a cache)."""
         m = self.manifest(key)
         rels = sorted(r for r in m.files if not r.startswith(tuple(skip))
                       and (include is None or r.startswith(tuple(include))))
@@ -280,8 +360,90 @@ class ArtifactStore:
                 if size != want.size or sha256_file(lp) != want.sha256:
                     raise CorruptArtifact(
                         f"artifact {self.uri(key)}: file {rel!r} does not match its manifest "
-                        f"(size {size} vs {want.size}, or sha256 differs from {want.sha256[:12]}...)")
+                        f"(size {size} vs {want.size}, or sha256 differs from {want.sha256[:12]}...)"
+                        + self.recovery_hint(key))
+            if stamp:
+                _write_stamp(local_dir, key, {rel: m.files[rel] for rel in rels})
         return local_dir
+
+    def check_fetched(self, key: str, local_dir: str, skip: tuple[str, ...] = ()) -> list[str]:
+        """The files of a copy `fetch` made of `key` in `local_dir` (those not under `skip`) that no
+        longer match the version's manifest: [] when all do. A file whose (size, inode, mtime_ns,
+        ctime_ns) is what `fetch` stamped after verifying it is not read again (any write, rename or
+        `os.utime` changes its ctime, which no user call can set back); any other is re-hashed."""
+        m = self.manifest(key)
+        return _check_local(local_dir, key, {r: e for r, e in m.files.items() if not r.startswith(tuple(skip))})
+
+    def verify(self, key: str) -> Manifest:
+        """Re-hash every file of published version `key` in the store (streamed, nothing kept);
+        raise `CorruptArtifact` naming the first bad file and the newest earlier version that verifies."""
+        m = self.manifest(key)
+        for rel, want in sorted(m.files.items()):
+            problem = self._stored_mismatch(key, rel, want)
+            if problem:
+                raise CorruptArtifact(f"artifact {self.uri(key)}: {problem}" + self.recovery_hint(key))
+        return m
+
+    def _stored_mismatch(self, key: str, rel: str, want: FileEntry) -> str | None:
+        h, size = hashlib.sha256(), 0
+        try:
+            with self._retry(f"open {self.uri(key)}/{rel}", self.fs.open, self._path(key, rel), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                    size += len(chunk)
+        except FileNotFoundError:
+            return f"file {rel!r} its manifest lists is missing"
+        if size != want.size or h.hexdigest() != want.sha256:
+            return (f"file {rel!r} does not match its manifest (size {size} vs {want.size}, "
+                    f"sha256 {h.hexdigest()[:12]}... vs {want.sha256[:12]}...)")
+        return None
+
+    def recovery_hint(self, key: str, max_checked: int = 8) -> str:
+        """For a corrupt version `key` of a numbered series (`.../v0003`): which earlier version to go
+        back to -- the newest one whose files all verify (up to `max_checked` are re-hashed) -- and how."""
+        series, _, name = key.rpartition("/")
+        if not (series and name[:1] == "v" and name[1:].isdigit()):
+            return ""
+        try:
+            older = [k for k in self.list(series) if k.rpartition("/")[2] < name][::-1]
+        except StoreError:
+            return ""
+        for k in older[:max_checked]:
+            try:
+                m = self.manifest(k)
+                if any(self._stored_mismatch(k, rel, e) for rel, e in m.files.items()):
+                    continue
+            except StoreError:
+                continue
+            return (f". Never train from it: the newest earlier version whose hashes verify is {k}; to resume "
+                    f"from it, delete the corrupt version's manifest ({self.uri(key)}/{MANIFEST_NAME}) and those of "
+                    f"the versions after it, then rerun (a run resumes from its newest version)")
+        return (f". Never train from it: none of the {min(len(older), max_checked)} earlier versions of {series} checked "
+                "verifies; start the run anew (--restart)")
+
+    @staticmethod
+    def verify_dir(local_dir: str) -> Manifest | None:
+        """Check a version's folder on a local disk (a local store's `<root>/<key>`, holding its
+        MANIFEST.json) against its manifest: every listed file there with its size and sha256. None when
+        the folder holds no manifest (not a store version); raises `CorruptArtifact` naming the file."""
+        path = os.path.join(local_dir, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                m = Manifest.from_json(f.read())
+        except ValueError as e:
+            raise CorruptArtifact(f"manifest {path} is unreadable: {e}") from e
+        for rel, want in sorted(m.files.items()):
+            lp = os.path.join(local_dir, *rel.split("/"))
+            size = os.path.getsize(lp) if os.path.isfile(lp) else -1
+            if size != want.size or sha256_file(lp) != want.sha256:
+                store = ArtifactStore(local_dir[: -len(m.key)].rstrip("/")) if \
+                    local_dir.rstrip("/").endswith("/" + m.key) else None
+                raise CorruptArtifact(f"artifact version {m.key!r} at {local_dir}: file {rel!r} does not match its "
+                                      f"manifest (size {size} vs {want.size}, or sha256 differs from {want.sha256[:12]}...)"
+                                      + (store.recovery_hint(m.key) if store else ""))
+        return m
 
     # -- publishing --------------------------------------------------------------------------
 
@@ -324,30 +486,108 @@ class ArtifactStore:
             raise TypeError(f"publish {key!r}: metadata must be JSON-serialisable ({e})") from e
         entries = {rel: FileEntry(sha256=sha256_file(p), size=os.path.getsize(p)) for rel, p in files.items()}
 
-        if self.exists(key):  # immutable versions; a retried task that made the same bytes is fine
-            old = self.manifest(key)
-            if old.files == entries and old.kind == kind:
-                log.info("store: %s already published with identical files, keeping it", self.uri(key))
-                return old
-            raise ArtifactExists(f"artifact version {self.uri(key)} is already published with different "
-                                 "content; versions are immutable, publish under a new key")
-
-        rels = list(files)
-        self._retry(f"upload to {self.uri(key)}", self.fs.put, [files[r] for r in rels],
-                    [self._path(key, r) for r in rels])
-        remote = self._retry(f"list {self.uri(key)}", self.fs.find, self._path(key), detail=True)
-        for rel in rels:
-            got = remote.get(self._path(key, rel), {}).get("size")
-            if got != entries[rel].size:
-                raise StoreUnavailable(f"upload of {self.uri(key)}/{rel} is incomplete: "
-                                       f"{got} bytes stored, {entries[rel].size} expected")
-
-        m = Manifest(key=key, kind=kind, files=entries, parents=list(parents), producer=producer,
-                     execution_id=execution_id, created_at=datetime.now(timezone.utc).isoformat(),
-                     metadata=metadata)
-        self._write_manifest(key, m.to_json().encode())
+        existing = self._published(key, entries, kind)
+        if existing is not None:
+            return existing
+        # one writer per key: the key's lease, then the files, then the manifest (create-if-absent)
+        lease = leases.Lease(self.fs, self._path(key, PUBLISHING), self._local, f"publishing {key}",
+                             stale_after_s=LOCK_STALE_S, heartbeat_s=min(10.0, LOCK_STALE_S / 6),
+                             info={"execution_id": execution_id or ""}, retry=self._retry)
+        deadline, delay = time.monotonic() + self.publish_wait_s, 0.05
+        while (holder := lease.try_acquire()) is not None:  # another process is publishing it: wait for it
+            if time.monotonic() > deadline:
+                raise ArtifactExists(f"artifact version {self.uri(key)} is being published by another process "
+                                     f"({leases.describe(holder)}) for more than {self.publish_wait_s:.0f}s")
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+            existing = self._published(key, entries, kind, other_writer=True)
+            if existing is not None:
+                return existing
+        try:
+            lease.start_heartbeat()
+            existing = self._published(key, entries, kind, other_writer=True)  # finished while we took the lease
+            if existing is not None:
+                return existing
+            rels = list(files)
+            self._retry(f"upload to {self.uri(key)}", self.fs.put, [files[r] for r in rels],
+                        [self._path(key, r) for r in rels])
+            remote = self._retry(f"list {self.uri(key)}", self.fs.find, self._path(key), detail=True)
+            for rel in rels:
+                got = remote.get(self._path(key, rel), {}).get("size")
+                if got != entries[rel].size:
+                    raise StoreUnavailable(f"upload of {self.uri(key)}/{rel} is incomplete: "
+                                           f"{got} bytes stored, {entries[rel].size} expected")
+            if not lease.held():
+                raise StoreError(f"publish {self.uri(key)}: lost the key's lease while uploading (this process stalled "
+                                 f"for more than {LOCK_STALE_S:.0f}s and another took over); nothing was committed")
+            m = Manifest(key=key, kind=kind, files=entries, parents=list(parents), producer=producer,
+                         execution_id=execution_id, created_at=datetime.now(timezone.utc).isoformat(),
+                         metadata=metadata)
+            if not self._retry(f"write {self.uri(key)}/{MANIFEST_NAME}", leases.create_exclusive, self.fs,
+                               self._path(key, MANIFEST_NAME), m.to_json().encode(), self._local):
+                existing = self._published(key, entries, kind, other_writer=True)  # never overwrites a version
+                if existing is not None:
+                    return existing
+                self._write_manifest(key, m.to_json().encode())  # over an unreadable one (no version): we hold the lease
+        finally:
+            lease.release()
         log.info("store: published %s (%s, %d files)", self.uri(key), kind, len(entries))
         return m
+
+    def _published(self, key: str, entries: dict[str, FileEntry], kind: str, other_writer: bool = False) -> Manifest | None:
+        """The committed manifest of `key` when it holds exactly `entries` (a no-op publish), None when
+        `key` is not published (no manifest, or an unreadable one); `ArtifactExists` when it holds other files."""
+        try:
+            old = self.manifest(key)
+        except (ArtifactNotFound, CorruptArtifact):  # an unreadable manifest is debris, not a version
+            return None
+        by = f" by {old.producer or '?'} (execution {old.execution_id or 'none'}) at {old.created_at}"
+        if old.files == entries and old.kind == kind:
+            log.info("store: %s already published with identical files%s, keeping it (nothing uploaded)",
+                     self.uri(key), by if other_writer else "")
+            return old
+        raise ArtifactExists(f"artifact version {self.uri(key)} is already published{by} with different content"
+                             f"{' (another process published it while this one waited)' if other_writer else ''}; "
+                             "versions are immutable, publish under a new key")
+
+    # -- the run lock ------------------------------------------------------------------------
+
+    def lock_run(self, run_id: str, *, execution_id: str = "", stale_after_s: float | None = None,
+                 heartbeat_s: float | None = None) -> leases.Lease:
+        """Take run `run_id`'s lock (`run_lock_key`) in the store, or raise `RunLocked` naming the live
+        holder. Re-entrant within a process. A daemon thread heartbeats it; it is released by
+        `unlock_run`, at the process's exit, or -- after a kill -- taken over by the next run by the
+        rule of infra/leases.py (same host: the holder's pid is gone; another host: no heartbeat for
+        `stale_after_s`, default FLYROLL_LOCK_STALE_S or 120 s)."""
+        held = _RUN_LOCKS.get((self.root, run_id))
+        if held is not None and held.held():
+            return held
+        stale = LOCK_STALE_S if stale_after_s is None else stale_after_s
+        lease = leases.Lease(self.fs, self._path(run_lock_key(run_id)), self._local, f"run {run_id}", stale_after_s=stale,
+                             heartbeat_s=heartbeat_s or max(0.5, stale / 6), reentrant=True,
+                             info={"execution_id": execution_id}, retry=self._retry)
+        holder = lease.try_acquire()
+        if holder is not None:
+            raise RunLocked(f"run {run_id!r} is already running: its lock {self.uri(run_lock_key(run_id))} is held by "
+                            f"{leases.describe(holder)}. Wait for it or stop it; a holder whose process is gone is taken "
+                            f"over at once on its own host, and from another host once its heartbeat is older than "
+                            f"{stale:.0f}s (FLYROLL_LOCK_STALE_S)", holder)
+        if lease.took_over:
+            log.warning("store: run %s: took over the lock of a stale holder (%s)", run_id, lease.took_over)
+        lease.start_heartbeat()
+        _RUN_LOCKS[(self.root, run_id)] = lease
+        atexit.register(lease.release)
+        return lease
+
+    def unlock_run(self, run_id: str) -> bool:
+        """Release run `run_id`'s lock if this process holds it; False when it does not."""
+        lease = _RUN_LOCKS.pop((self.root, run_id), None)
+        return bool(lease and lease.release())
+
+    def run_lock_holder(self, run_id: str) -> dict[str, Any] | None:
+        """The lease record of run `run_id`'s lock holder, None when unlocked."""
+        return leases.Lease(self.fs, self._path(run_lock_key(run_id)), self._local, f"run {run_id}",
+                            stale_after_s=LOCK_STALE_S, heartbeat_s=LOCK_STALE_S, retry=self._retry).holder()
 
     def prune(self, key: str, rels: list[str], reason: str) -> Manifest:
         """Drop files from a published version (a retention policy: old versions' optimizer state):

@@ -61,7 +61,10 @@ _MARKERS = tuple(_CACHED.values())
 
 
 def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
-    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine.
+    """Local directory holding artifact `key`, fetched (and hash-verified) once per machine, and
+    checked again against the version's manifest on every later call (`ArtifactStore.check_fetched`:
+    a file whose stat stamp changed since the verified fetch is re-hashed); a copy that no longer
+    matches is deleted and fetched again, never served.
     `skip`: leave out files, one of `_CACHED`'s sets: `TRAINING_ONLY` for generation and log-prob
     actors (SmolLM2's optimizer state is 1.1 of its 1.6 GB), `(TRAINER_STATE,)` for the critic's
     values. A later fetch that needs more of a cached version fetches only what it lacks.
@@ -77,13 +80,25 @@ def fetch_cached(spec: RunSpec, key: str, skip: tuple[str, ...] = ()) -> str:
     dest = os.path.join(cache_dir(spec), key)
     with FileLock(_lock_path(spec, key)):
         have = [s for s, marker in _CACHED.items() if os.path.exists(os.path.join(dest, marker))]
+        if have and (bad := store_of(spec).check_fetched(key, dest, skip=min(have, key=len))):
+            console.print(f"[yellow]cached copy of {key} does not match its manifest ({', '.join(bad)}): fetching it again[/]")
+            _drop_cached(dest)  # never served: the store's copy is fetched (and verified) anew
+            have = []
         if not any(set(s) <= set(skip) for s in have):
             # a verified copy with less is cached (the fullest one's marker): fetch only the files it left out
             include = min(have, key=len) if have else None
-            store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include)
+            store_of(spec).fetch(key, dest, verify=True, skip=skip, include=include, stamp=True)
             open(os.path.join(dest, _CACHED[skip]), "w").close()
     evict_older_versions(spec, key)
     return dest
+
+
+def _drop_cached(path: str) -> None:
+    """Delete a cached version: its markers first (not complete any more), then its files."""
+    for marker in _MARKERS:
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(path, marker))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _lock_path(spec: RunSpec, key: str) -> str:

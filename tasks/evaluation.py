@@ -14,7 +14,7 @@ from infra import decks, tracking
 from infra.ray_session import is_local_execution, shutdown
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
-from tasks.common import config_of, console, stage
+from tasks.common import config_of, console, stage, store_of
 from tasks.pools import generation_pool, score_table
 from tasks.prompts import read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
@@ -93,6 +93,7 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete",
                                                               "flyroll.final_model_version": policy.model_version})
     tracking.end_run(spec.tracking_uri, spec.mlflow_run_id)
+    store_of(spec).unlock_run(spec.run_id)  # the run lock prepare_run took (a killed run's: taken over by the next)
     console.print(f"[bold green]done[/] final policy {policy.key} (MLflow model version {policy.model_version or '-'})")
     if acc:
         console.print(f"eval/accuracy {acc[0][1]:.3f} (iteration {acc[0][0]}) → {acc[-1][1]:.3f} (iteration {acc[-1][0]})")

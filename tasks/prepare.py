@@ -58,6 +58,8 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
     for field, path in (("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path)):
         if path:  # a missing or broken model fails here, not after the policy is bootstrapped
             check_model_path(path, store, field)
+    # one process per run id: refused here, naming the holder, before the MLflow run is opened or resumed
+    store.lock_run(run_id, execution_id=execution_id())
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
     for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
         console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
@@ -432,6 +434,9 @@ def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyR
 @task(**task_resources("weight_sync"))
 def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     """Where the loop starts: the last published policy of this run (resume), else the base policy.
+    The last version's files are re-hashed against its manifest first (a rerun of a finished run
+    checks its final policy too): a corrupt one raises `CorruptArtifact` naming the earlier version
+    to go back to.
 
     A cached `bootstrap_policy` output can outlive its artifact (someone deleted the store folder):
     then the base is rebuilt here, so a cache hit never hands the loop a missing checkpoint."""
@@ -445,10 +450,11 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
         return base
     key = versions[-1]
     version = parse_policy_key(key).version
-    console.print(f"[bold]resume[/] from {key} (iteration {version})")
+    manifest = store_of(spec).verify(key)  # every file re-hashed: a corrupt version is never resumed from (nor a finished run's final policy passed)
+    console.print(f"[bold]resume[/] from {key} (iteration {version}, hashes verified)")
     if owed := settle_published_iteration(spec, key):  # killed after its publish, before its metrics
         console.print(f"[yellow]iteration {version}'s weight sync was cut short after its publish: logged {sorted(owed)}[/]")
-    return PolicyRef(key=key, version=version, model_version=store_of(spec).manifest(key).metadata.get("model_version", ""))
+    return PolicyRef(key=key, version=version, model_version=manifest.metadata.get("model_version", ""))
 
 
 LoopBounds = typing.NamedTuple("LoopBounds", [("last", int), ("eval_every", int)])
