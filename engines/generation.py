@@ -281,11 +281,11 @@ class HFGenerationEngine:
         """Every weight of `version` is in place: serve it (clears a partial update's mark)."""
         self.torn, self.version = None, version
 
-    def weight_spec(self) -> dict[str, tuple[int, ...]]:
-        """name -> shape of every weight an update must give (a tied LM head left out)."""
-        tied = self.model.get_output_embeddings() is not None and \
-            self.model.get_output_embeddings().weight is self.model.get_input_embeddings().weight
-        return {k: tuple(t.shape) for k, t in self.model.state_dict().items() if not (tied and k.endswith("lm_head.weight"))}
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """name -> (shape, required) of every weight an update may give; a tied LM head is not required."""
+        head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        tied = head is not None and head.weight is embed.weight
+        return {k: (tuple(t.shape), not (tied and k.endswith("lm_head.weight"))) for k, t in self.model.state_dict().items()}
 
     def weight_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype

@@ -58,7 +58,7 @@ class WeightReceiver(Protocol):
     """What an engine offers to a sync (HFGenerationEngine, VLLMGenerationEngine)."""
     version: int | None
 
-    def weight_spec(self) -> dict[str, tuple[int, ...]]: ...           # name -> shape it takes
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]: ...  # name -> (shape, required)
     def weight_dtype(self) -> torch.dtype: ...                           # dtype its weights are held in
     def update_weights(self, named_tensors, source: str = ..., partial: bool = False) -> None: ...
     def finish_weight_update(self, version: int) -> None: ...            # all buckets applied: serve `version`
@@ -415,8 +415,8 @@ class ModelUpdateGroup:
         spec = engine.weight_spec()
         given = {name: tuple(shape) for b in plan["buckets"] for name, shape, _ in b}
         unknown = [n for n in given if n not in spec]
-        bad = [f"{n} {list(given[n])} != {list(spec[n])}" for n in given if n in spec and given[n] != tuple(spec[n])]
-        missing = [n for n in spec if n not in given]
+        bad = [f"{n} {list(given[n])} != {list(spec[n][0])}" for n in given if n in spec and given[n] != tuple(spec[n][0])]
+        missing = [n for n, (_, required) in spec.items() if required and n not in given]
         if unknown or bad or missing:
             lora = " (LoRA adapter weights: merge them, engines.lora.merged_state_dict)" if any(".lora_" in n for n in unknown) else ""
             return f"{where}: weights do not match: unknown={unknown[:4]}{lora} shape={bad[:4]} missing={missing[:4]}"
