@@ -151,8 +151,9 @@ def _alive(pid: int) -> bool:
 
 
 def checksum(buf: torch.Tensor) -> int:
-    """Sum of the bucket's 32-bit words (buf: uint8, length a multiple of ALIGN): one pass, bit-exact."""
-    return int(buf.view(torch.int32).sum(dtype=torch.int64))
+    """Sum of the bucket's 64-bit words, wrapping (buf: uint8, length a multiple of ALIGN): one vectorised
+    pass (~0.02 s for 270 MB on one core; an int32 -> int64 sum took 0.7 s), any flipped bit changes it."""
+    return int(buf.view(torch.int64).sum())
 
 
 def unpack(buf: torch.Tensor, bucket: list[list], dtype: torch.dtype):
@@ -267,7 +268,7 @@ class ModelUpdateGroup:
             for i, bucket in enumerate(buckets):
                 n = bucket_nbytes(bucket, wire)
                 view = buf[:n]
-                view.zero_()                                              # alignment gaps: fixed bytes for the checksum
+                # (alignment gaps keep whatever bytes they held: both sides checksum the same bytes)
                 for name, slot in unpack(view, bucket, wire):
                     with gathered(by_name[name]) as full:                 # one parameter gathered at a time
                         slot.copy_(full)                                  # cast to the wire dtype
