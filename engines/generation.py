@@ -228,9 +228,12 @@ class HFGenerationEngine:
         self.shared_prefill = shared_prefill
         self.compile_decode = compile_decode
         self.pack_weights = pack_weights
+        self.version: int | None = None   # the policy version served, set by whoever updates the weights
+        self.torn: str | None = None      # a partial update (a live sync cut short): generate refuses
 
-    def load_weights(self, model_dir: str) -> None:
-        """In-place weight update from a model directory (same architecture), no engine restart."""
+    def load_weights(self, model_dir: str, version: int | None = None) -> None:
+        """In-place weight update from a model directory (same architecture), no engine restart.
+        `version`: the policy version the directory holds (reported by `self.version`)."""
         from safetensors.torch import load_file
         import glob
         import os
@@ -238,15 +241,32 @@ class HFGenerationEngine:
         state = {}
         for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
             state.update(load_file(f))
-        self.update_weights(state.items(), source=model_dir)
+        self.update_weights(list(state.items()), source=model_dir)
+        self.finish_weight_update(version)
 
     @torch.no_grad()
-    def update_weights(self, named_tensors, source: str = "the given tensors") -> None:
+    def update_weights(self, named_tensors, source: str = "the given tensors", partial: bool = False,
+                       version: int | None = None) -> None:
         """In-place weight update from (name, tensor) pairs in memory, e.g. a trainer's
         `named_parameters()` in the same process (a colocated trainer and generator): one copy per
         tensor (dtype and device converted), no files, no engine restart. Every weight of the
-        engine's model must be given (a tied LM head may be left out), under the same names."""
-        own, pairs = self.model.state_dict(), list(named_tensors)
+        engine's model must be given (a tied LM head may be left out), under the same names; they
+        are all checked before the first copy, so a refused update leaves the weights as they were.
+
+        `partial=True` (a live sync's bucket, engines/weight_update.py): `named_tensors` is consumed one
+        pair at a time (views into the bucket buffer: nothing else is copied), each checked before its
+        copy, and the engine is marked torn (`generate` refuses, `version` is None) until
+        `finish_weight_update(version)` says every bucket arrived. A full update serves `version`."""
+        own = self.model.state_dict()
+        if partial:
+            self.torn, self.version = source, None
+            for name, tensor in named_tensors:
+                if name not in own or own[name].shape != tensor.shape:
+                    raise ValueError(f"weights in {source} do not match the engine's model: "
+                                     f"{name} {tuple(tensor.shape)} != {tuple(own[name].shape) if name in own else 'not in the model'}")
+                own[name].copy_(tensor)
+            return
+        pairs = list(named_tensors)
         unexpected = [name if name not in own else f"{name} {tuple(t.shape)} != {tuple(own[name].shape)}"
                       for name, t in pairs if name not in own or own[name].shape != t.shape]
         given = {name for name, _ in pairs}
@@ -255,13 +275,31 @@ class HFGenerationEngine:
             raise ValueError(f"weights in {source} do not match the engine's model: missing={missing[:5]} unexpected={unexpected[:5]}")
         for name, tensor in pairs:
             own[name].copy_(tensor)
+        self.finish_weight_update(version)
+
+    def finish_weight_update(self, version: int | None) -> None:
+        """Every weight of `version` is in place: serve it (clears a partial update's mark)."""
+        self.torn, self.version = None, version
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """name -> (shape, required) of every weight an update may give; a tied LM head is not required."""
+        head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        tied = head is not None and head.weight is embed.weight
+        return {k: (tuple(t.shape), not (tied and k.endswith("lm_head.weight"))) for k, t in self.model.state_dict().items()}
+
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  abort: threading.Event | None = None) -> list[Completion]:
         """Completions of every prompt. `abort`: once set (from another thread), decoding stops after the
         current step and the micro-batches not started are skipped; the rows cut short end with
-        finish_reason "abort" (the caller discards them)."""
+        finish_reason "abort" (the caller discards them). An engine left with a partial weight update
+        (a live sync cut short) refuses: it would serve a mix of two policies."""
+        if self.torn:
+            raise RuntimeError(f"HFGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
+                               "policy until a full update (a new sync, or load_weights of the last good version)")
         out: list[Completion] = []
         packed: dict = {}  # MKL-packed weights for this call's chunks; freed when it returns
         for start in range(0, len(prompt_token_ids), self.micro_batch):

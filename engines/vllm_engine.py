@@ -18,6 +18,9 @@ Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, li
 - `load_weights(model_dir)`: new policy weights in place, no restart, through vLLM's
   `reload_weights` (the only path that works on CPU, where linear weights are repacked at load),
   then the prefix cache is reset so no KV block of the old policy is reused.
+- `update_weights(pairs, partial=True)` / `finish_weight_update(version)`: a live sync's buckets
+  (engines/weight_update.py) in place through vLLM's layerwise reload, no files; `version` is the
+  policy version served, and a sync cut short leaves the engine refusing to generate.
 - `sleep()` / `wake_up()`: free the weights and KV cache between rollouts on GPU; no-ops on CPU.
 
 vLLM is imported inside the class, so this module imports without it. vLLM starts its engine core
@@ -35,6 +38,7 @@ directory only detokenises to find stop strings.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -72,15 +76,35 @@ class WeightSyncExtension:
     head is tied to the new embedding again and repacked."""
 
     def flyroll_reload_weights(self, model_dir: str) -> None:
+        self.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
+        self.flyroll_retie_head()
+
+    def flyroll_retie_head(self) -> None:
         from vllm.platforms import current_platform
 
-        self.reload_weights(weights_path=model_dir, is_checkpoint_format=True)
         model = self.model_runner.get_model()
         head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         if current_platform.is_cpu() and tied and head is not None and embed is not None and head is not embed:
             head.weight = embed.weight
             head.quant_method.process_weights_after_loading(head)
+
+    # A live sync's buckets (engines/weight_update.py), in place, no files: vLLM's layerwise reload
+    # (each layer re-processed, CPU repacking included, once all its tensors arrived, whichever bucket
+    # brought them), fed by the model's own `load_weights` with Hugging Face names.
+    def flyroll_begin_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def flyroll_load_weights(self, named_tensors: list) -> None:
+        self.model_runner.get_model().load_weights(weights=iter(named_tensors))
+
+    def flyroll_finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.model_config)
+        self.flyroll_retie_head()
 
 
 class VLLMGenerationEngine:
@@ -146,6 +170,9 @@ class VLLMGenerationEngine:
         self._vllm = vllm
         self.sleeping = False
         self.last_reload_s = 0.0
+        self.dtype = dtype
+        self.version: int | None = None   # the policy version served (set by load_weights / a live sync)
+        self.torn: str | None = None      # a live sync cut short: generate refuses
         self._calls = itertools.count()  # request ids of generate calls
 
     # -------------------------------------------------------------------------------------------
@@ -164,6 +191,9 @@ class VLLMGenerationEngine:
 
         if abort is not None and abort.is_set():
             return []
+        if self.torn:
+            raise RuntimeError(f"VLLMGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
+                               "policy until a full update (a new sync, or load_weights of the last good version)")
         if self.sleeping:
             self.wake_up()
         engine, n = self.llm.llm_engine, params.n
@@ -225,14 +255,54 @@ class VLLMGenerationEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def load_weights(self, model_dir: str) -> None:
-        """In-place weight update from a model directory of the same architecture (no restart)."""
+    def load_weights(self, model_dir: str, version: int | None = None) -> None:
+        """In-place weight update from a model directory of the same architecture (no restart);
+        `version`: the policy version it holds (reported by `self.version`)."""
         start = time.perf_counter()
         self.wake_up()  # a sleeping engine's weights are offloaded or freed: bring them back to overwrite
         self.llm.collective_rpc("flyroll_reload_weights", args=(model_dir,))
         self.llm.reset_prefix_cache()
         self.model_dir = model_dir
+        self.torn, self.version = None, version
         self.last_reload_s = time.perf_counter() - start
+
+    def update_weights(self, named_tensors, source: str = "the given tensors", partial: bool = False,
+                       version: int | None = None) -> None:
+        """In-place update from (name, tensor) pairs with Hugging Face names, no files: a live sync's
+        bucket (`partial=True`, engines/weight_update.py; the engine is torn until
+        `finish_weight_update`) or a whole model. The pairs go to vLLM's worker by `collective_rpc`
+        (one copy through its IPC per bucket on CPU) into its layerwise reload."""
+        self.wake_up()
+        if self.torn is None:
+            self.llm.collective_rpc("flyroll_begin_weight_update")
+        self.torn, self.version = source, None
+        self.llm.collective_rpc("flyroll_load_weights", args=([(n, t) for n, t in named_tensors],))
+        if not partial:
+            self.finish_weight_update(version)
+
+    def finish_weight_update(self, version: int | None) -> None:
+        """Every tensor of `version` arrived: re-process the layers, reset the prefix cache (no KV block
+        of the old policy is reused), serve `version`."""
+        self.llm.collective_rpc("flyroll_finish_weight_update")
+        self.llm.reset_prefix_cache()
+        self.torn, self.version = None, version
+
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """name -> (shape, required) as in the model directory's safetensors (read from the headers:
+        Hugging Face names, the ones vLLM's `load_weights` maps to its fused layers)."""
+        from safetensors import safe_open
+
+        spec = {}
+        for f in sorted(glob.glob(os.path.join(self.model_dir, "*.safetensors"))):
+            with safe_open(f, "pt") as st:
+                spec.update({k: (tuple(st.get_slice(k).get_shape()), True) for k in st.keys()})
+        return spec
+
+    def weight_dtype(self):
+        import torch
+
+        dtype = getattr(getattr(self.llm.llm_engine, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else getattr(torch, self.dtype)
 
     def sleep(self, level: int = 1) -> None:
         """Free weights (level 2) or offload them (level 1) and drop the KV cache; no-op on CPU."""

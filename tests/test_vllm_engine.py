@@ -193,6 +193,55 @@ def test_load_weights_updates_in_place(engine, policies):
     assert [c.token_ids for c in engine.generate(encode(tok, PROMPTS), params)] == [c.token_ids for c in before]
 
 
+def _send_policy(model_dir: str, port: int, version: int) -> None:
+    """The trainer side of a live sync, in its own process: policy B in 16 KiB buckets."""
+    import torch
+
+    from engines.modeling import load_policy
+    from engines.weight_update import ModelUpdateGroup
+
+    torch.set_num_threads(1)
+    model, _ = load_policy(model_dir)
+    group = ModelUpdateGroup("127.0.0.1", port, 2, 0, timeout_s=120)
+    group.send(model.named_parameters(), version=version, bucket_bytes=16 << 10)
+    group.close()
+
+
+@needs_vllm
+def test_live_sync_updates_in_place_and_reports_the_version(engine, policies):
+    """A live sync (engines/weight_update.py, gloo) from a trainer process into the vLLM engine, bucket
+    by bucket through vLLM's layerwise reload: it then serves policy B's log-probs and reports v9."""
+    import multiprocessing
+    import socket
+
+    import torch
+
+    from engines.generation import SamplingParams
+    from engines.weight_update import ModelUpdateGroup
+
+    _, model_b, tok, dir_a, dir_b = policies
+    if engine.model_dir != dir_a:
+        engine.load_weights(dir_a)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = multiprocessing.get_context("spawn").Process(target=_send_policy, args=(dir_b, port, 9), daemon=True)
+    sender.start()
+    try:
+        group = ModelUpdateGroup("127.0.0.1", port, 2, 1, timeout_s=120)
+        assert group.receive(engine) == 9 and engine.version == 9
+        after = engine.generate(encode(tok, PROMPTS), SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7))
+        want, mask = hf_scores(model_b, tok, PROMPTS, after)
+        got = torch.zeros_like(want)
+        for row, c in enumerate(after):
+            got[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+        assert torch.allclose(got * mask, want, atol=1e-5)
+        group.close()
+    finally:
+        sender.join(timeout=120)
+        engine.load_weights(dir_a)
+
+
 @needs_vllm
 def test_sleep_and_wake_up_keep_serving(on_policy_a, policies):
     from engines.generation import SamplingParams

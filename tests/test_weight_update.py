@@ -1,0 +1,226 @@
+"""The model update group (engines/weight_update.py) with real processes: a trainer (rank 0) and tiny
+HF generation engines (ranks 1..N) spawned as their own processes, gloo on CPU, no mocks.
+
+Each engine process reports the sha256 of every weight's bytes after a sync; the test compares them
+with the trainer's weights in the engine's dtype, so "equal" is bitwise (fp32), or bitwise to the
+trainer's weights rounded to bf16 (a bf16 engine). Every wait is bounded (the group's timeout_s and
+the queue's get timeout), so a broken sync fails the test instead of hanging it."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import signal
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engines.generation import HFGenerationEngine, SamplingParams
+from engines.modeling import build_tiny_policy
+from engines.weight_update import ModelUpdateGroup, WeightSyncError, plan_buckets
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=128)
+BUCKET = 40 << 10    # 40 KiB: the tiny model's 106 KB of fp32 weights travel in several buckets
+WAIT = 120           # s: the longest a test waits for an engine process (they import torch first)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def digests(model, dtype=torch.float32) -> dict[str, str]:
+    return {k: hashlib.sha256(t.detach().to(dtype).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, t in model.state_dict().items()}
+
+
+def engine_process(rank, port, world, q, leave, **kw):
+    try:
+        serve(rank, port, world, q, **kw)
+    except BaseException as e:  # anything unexpected: reported at once, not after the test's wait
+        q.put((rank, None, None, f"crashed: {type(e).__name__}: {e}", None))
+        raise
+    finally:
+        leave.wait(WAIT)            # alive until the test is done with it (a dead engine is the killed one)
+
+
+def serve(rank, port, world, q, transport="broadcast", dtype="float32", syncs=1, die=None, timeout_s=20.0):
+    """One generation engine: joins the group, takes `syncs` syncs, reports (rank, version, digests, what
+    generate did) after each; on a failed sync reports the error and what the engine does next."""
+    torch.set_num_threads(1)
+    model, tok = build_tiny_policy(**TINY, seed=10 + rank)     # other weights than the trainer's
+    engine = HFGenerationEngine(model.to(getattr(torch, dtype)), tok)
+    engine.finish_weight_update(0)                              # serves v0 before any sync
+    group = ModelUpdateGroup("127.0.0.1", port, world, rank, transport=transport, timeout_s=timeout_s, member=f"infer-{rank}")
+    die_after = (die or {}).get(rank)                          # SIGKILL itself after applying that bucket
+    on_bucket = lambda i: os.kill(os.getpid(), signal.SIGKILL) if i == die_after else None
+    for _ in range(syncs):
+        try:
+            version = group.receive(engine, on_bucket=on_bucket)
+        except (WeightSyncError, ValueError) as e:
+            try:
+                engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
+                served = "generated"
+            except RuntimeError as refused:
+                served = f"refused: {refused}"
+            q.put((rank, engine.version, None, f"{type(e).__name__}: {e}", served))
+            continue
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
+        q.put((rank, version, digests(engine.model, engine.weight_dtype()), None, f"generated {len(out)}"))
+    group.close()
+
+
+def start_engines(port, world, **kw):
+    ctx = mp.get_context("fork")    # fork: no re-import of torch per engine (seconds instead of ~10 s each)
+    q, leave = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=engine_process, args=(r, port, world, q, leave), kwargs=kw, daemon=True) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    procs[0].leave = leave
+    return q, procs
+
+
+def reports(q, n):
+    got = [q.get(timeout=WAIT) for _ in range(n)]
+    return {r[0]: r for r in got}
+
+
+def stop(procs):
+    procs[0].leave.set()
+    for p in procs:
+        p.join(timeout=WAIT)
+        if p.is_alive():
+            p.kill()
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+def test_live_sync_gives_every_engine_the_trainers_weights_bitwise(transport):
+    """Two fp32 engines, two syncs (the second after the trainer changed): both engines hold the
+    trainer's weights bit for bit after each, report the version, and generate. The shared-memory path
+    gives the same bytes as the broadcast."""
+    port, world = free_port(), 3
+    q, procs = start_engines(port, world, transport=transport, syncs=2)
+    trainer, _ = build_tiny_policy(**TINY, seed=0)
+    group = ModelUpdateGroup("127.0.0.1", port, world, 0, transport=transport, timeout_s=20)
+    try:
+        for version in (1, 2):
+            report = group.send(trainer.named_parameters(), version=version, bucket_bytes=BUCKET)
+            assert report.buckets > 2 and report.bytes == sum(p.numel() * 4 for p in trainer.parameters())
+            got, want = reports(q, world - 1), digests(trainer)
+            for rank in (1, 2):
+                _, served, weights, error, generated = got[rank]
+                assert error is None and served == version and generated == "generated 1"
+                assert weights == want, [k for k in want if weights[k] != want[k]]
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.mul_(-0.5)            # a new policy for the next version
+    finally:
+        group.close()
+        stop(procs)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"flyroll-wsync-{os.getpid()}-")]
+
+
+def test_bf16_engines_get_the_trainers_weights_rounded_to_bf16():
+    port, world = free_port(), 2
+    q, procs = start_engines(port, world, dtype="bfloat16")
+    trainer, _ = build_tiny_policy(**TINY, seed=0)
+    group = ModelUpdateGroup("127.0.0.1", port, world, 0, timeout_s=20)
+    try:
+        report = group.send(trainer.named_parameters(), version=5, dtype="bfloat16", bucket_bytes=BUCKET)
+        _, served, weights, error, _ = reports(q, 1)[1]
+        assert error is None and served == 5
+        assert report.bytes == sum(p.numel() * 2 for p in trainer.parameters())  # bf16 on the wire
+        assert weights == digests(trainer, torch.bfloat16)
+    finally:
+        group.close()
+        stop(procs)
+
+
+def test_refused_syncs_move_nothing_and_name_the_engine():
+    """A dtype the engine does not hold, then an unmerged LoRA adapter: each refused before any byte
+    moves, the error naming the engine, the version and the reason; the engine keeps serving what it
+    served. The group stays usable: the merged weights then go through."""
+    from engines.lora import apply_lora, merged_state_dict
+
+    port, world = free_port(), 2
+    q, procs = start_engines(port, world, syncs=3)
+    trainer, _ = build_tiny_policy(**TINY, seed=0)
+    group = ModelUpdateGroup("127.0.0.1", port, world, 0, timeout_s=20)
+    try:
+        with pytest.raises(ValueError, match=r"v3 refused.*engine rank 1 \(infer-1.*torch.float32 weights and cannot take a torch.bfloat16"):
+            group.send(trainer.named_parameters(), version=3, dtype="bfloat16")
+        _, served, _, error, generated = reports(q, 1)[1]
+        assert served == 0 and "keeps v0" in error and generated == "generated"
+
+        lora = apply_lora(copy.deepcopy(trainer), rank=2, alpha=4.0)
+        with torch.no_grad():
+            for n, p in lora.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()             # a non-zero adapter: the merged weights differ from the base
+        with pytest.raises(ValueError, match=r"v4 refused.*engine rank 1.*unknown=.*lora_.*merge them"):
+            group.send(lora.named_parameters(), version=4)
+        assert reports(q, 1)[1][3] is not None
+
+        merged = merged_state_dict(lora)
+        group.send(list(merged.items()), version=4)
+        _, served, weights, error, _ = reports(q, 1)[1]
+        want = {k: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for k, t in merged.items()}
+        assert error is None and served == 4 and all(weights[k] == want[k] for k in want)
+    finally:
+        group.close()
+        stop(procs)
+
+
+def test_a_receiver_killed_mid_sync_is_a_clear_error_not_a_hang():
+    """Engine 2 is SIGKILLed after applying bucket 0: the trainer's send raises within the group's
+    timeout, naming engine rank 2 and the version; engine 1 fails its sync too and refuses to generate
+    (it holds part of v6), until it loads the last good version in full."""
+    port, world = free_port(), 3
+    q, procs = start_engines(port, world, die={2: 0}, timeout_s=8)
+    trainer, _ = build_tiny_policy(**TINY, seed=0)
+    group = ModelUpdateGroup("127.0.0.1", port, world, 0, timeout_s=8)
+    try:
+        with pytest.raises(WeightSyncError, match=r"policy v6 failed.*engine rank 2 \(infer-2, pid \d+ on .*\) is dead") as e:
+            group.send(trainer.named_parameters(), version=6, bucket_bytes=BUCKET)
+        assert "engine rank 1 " not in str(e.value)
+        rank, served, _, error, generated = q.get(timeout=WAIT)
+        assert rank == 1 and served is None and "infer-1" in error and "policy v6 failed" in error
+        assert generated.startswith("refused: HFGenerationEngine holds a partial weight update")
+        with pytest.raises(WeightSyncError, match="unusable after an earlier failure"):
+            group.send(trainer.named_parameters(), version=6)
+    finally:
+        group.close()
+        stop(procs)
+    assert procs[1].exitcode == -signal.SIGKILL
+
+
+def test_a_bucket_below_the_largest_tensor_is_refused_naming_it():
+    trainer, _ = build_tiny_policy(**TINY, seed=0)
+    shapes = [(n, tuple(p.shape)) for n, p in trainer.named_parameters()]
+    name, shape = max(shapes, key=lambda s: s[1][0] * s[1][-1])
+    nbytes = shape[0] * shape[-1] * 4
+    with pytest.raises(ValueError, match=rf"bucket_bytes=1000 is below the largest tensor: {name} \[{shape[0]}, {shape[1]}\] "
+                                         rf"is {nbytes} bytes in torch.float32; set bucket_bytes >= {nbytes}"):
+        plan_buckets(shapes, torch.float32, 1000)
+    buckets = plan_buckets(shapes, torch.bfloat16, BUCKET)  # every tensor once, in order, offsets aligned
+    assert [b[0] for bucket in buckets for b in bucket] == [n for n, _ in shapes]
+    assert all(off % 64 == 0 for bucket in buckets for _, _, off in bucket)
+
+
+def test_a_partial_update_marks_the_engine_torn_until_finished(tiny_policy):
+    model, tok = tiny_policy
+    engine = HFGenerationEngine(copy.deepcopy(model), tok)
+    engine.finish_weight_update(1)
+    pairs = iter(list(model.named_parameters())[:3])       # a generator: consumed pair by pair
+    engine.update_weights(pairs, source="bucket 0", partial=True)
+    assert engine.version is None
+    with pytest.raises(RuntimeError, match=r"partial weight update \(last: bucket 0\)"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine.finish_weight_update(2)
+    assert engine.version == 2 and len(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))) == 1
