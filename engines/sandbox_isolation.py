@@ -131,7 +131,10 @@ def _bwrap_show_interpreter() -> list[str]:
     """Bind the interpreter's install read-only back over the private /tmp and /dev/shm when it lives
     there (a virtual environment in a checkout under /tmp); otherwise the sandbox could not start it."""
     out: list[str] = []
-    for p in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))}):
+    paths = (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))
+    # both as named and resolved: a virtual environment symlinked into the checkout (`.venv -> /elsewhere`) is
+    # started through its link's path, which must exist inside the sandbox too (bwrap binds what it points to)
+    for p in sorted({os.path.abspath(p) for p in paths} | {os.path.realpath(p) for p in paths}):
         if any(p == d or p.startswith(d + os.sep) for d in ("/tmp", "/dev/shm")) and p not in ("/tmp", "/dev/shm"):
             if not any(p.startswith(q + os.sep) for q in out[1::3]):
                 out += ["--ro-bind", p, p]

@@ -42,7 +42,9 @@ def _engine_process(n: int) -> None:
 
     from engines.host_memory import keep_freed_memory
 
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") if ray.is_initialized() else None
+    ctx = ray.get_runtime_context() if ray.is_initialized() else None
+    in_actor = ctx is not None and ctx.worker.mode == ray.WORKER_MODE   # a driver (an engine built in-process) has no reservation
+    cpus = ctx.get_assigned_resources().get("CPU") if in_actor else None
     torch.set_num_threads(capped_threads(n, cpus))
     keep_freed_memory()
 

@@ -35,7 +35,9 @@ def test_mixed_sources_tiny_model(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     cfg = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
     cfg.pop("reward")
-    cfg["data"] = {"train_size": 16, "eval_size": 2, "domain_weights": {"math": 0.4, "code": 0.2, "ifeval": 0.2, "arithmetic": 0.2},
+    # HumanEval and IFEval prompts are longer than the tiny policy's 256 positions: keep their last tokens
+    cfg["data"] = {"train_size": 16, "eval_size": 2, "over_length": "truncate",
+                   "domain_weights": {"math": 0.4, "code": 0.2, "ifeval": 0.2, "arithmetic": 0.2},
                    "sources": [{"kind": "reasoning_gym", "names": ["basic_arithmetic"], "domain": "math"},
                                {"kind": "humaneval", "train_size": 8}, {"kind": "ifeval"},
                                {"kind": "file", "uri": str(tmp_path / "prompts.jsonl")}]}

@@ -18,7 +18,8 @@ def test_refills_follow_the_domain_weights():
     from tasks.prompts import refill_prompts
 
     train = _train()
-    cfg = parse_config({"data": {"domain_weights": {"a": 3, "b": 1, "c": 0}}})
+    cfg = parse_config({})  # weights for the table above; the config check would look for a, b, c in data.sources
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"domain_weights": {"a": 3.0, "b": 1.0, "c": 0.0}})})
     first, second = refill_prompts(cfg, train, 8, 5, 1), refill_prompts(cfg, train, 8, 5, 2)
     for batch in (first, second):          # quotas 3/4 * 8 = 6 and 1/4 * 8 = 2; weight 0 = never
         assert batch["domain"].value_counts().to_dict() == {"a": 6, "b": 2}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -25,33 +24,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support.processes import _descendants, _kill_tree
 from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 pytestmark = pytest.mark.slow
 RAY_MODE = "per-task"
-
-
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None:
-    """SIGKILL the run's process group, then any descendant seen while it ran that left the group
-    (Ray starts some of its daemons in their own sessions)."""
-    known.update({p.pid: p for p in _descendants(proc.pid)})
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the run already ended (the test then reports how)
-        pass
-    proc.wait(timeout=30)
-    for p in known.values():
-        try:
-            p.kill()  # psutil checks the create time, so a recycled pid is never hit
-        except psutil.NoSuchProcess:
-            pass
 
 
 def pausing_starts_with_digit(response: str, sample: dict) -> float:
@@ -77,10 +54,9 @@ def _parent_run(tracking_uri: str):
 
 
 def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp_path: Path):
+    from configs.schema import load_config
     from infra import tracking
     from infra.store import ArtifactStore
-
-    from configs.schema import load_config
 
     reward = "tests.test_resume:pausing_starts_with_digit"
     # with asynchronous generation (each rollout samples with the policy one version behind its

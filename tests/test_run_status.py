@@ -121,7 +121,7 @@ def test_sigkill_during_weight_sync_then_resume_leaves_nothing_running_and_no_me
     from mlflow.tracking import MlflowClient
 
     from infra import tracking
-    from tests.test_resume import _descendants, _kill_tree
+    from tests.support.processes import _descendants, _kill_tree
 
     hook = tmp_path / "hook"
     hook.mkdir()

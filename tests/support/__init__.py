@@ -8,5 +8,7 @@ tests/test_architecture.py checks it): import them as `from tests.support.<modul
 - `training`: a scored rollout table the training path reads (`_scored_table`);
 - `rollout`: the real rollout task on the tiny model (`_parity_rollout_run`) and a Ray generation
   actor's abort (`abort_then_serve`);
-- `rewards`: user reward functions that configs name by path (`tests.support.rewards:parity`, `:graded`).
+- `rewards`: user reward functions that configs name by path (`tests.support.rewards:parity`, `:graded`);
+- `processes`: SIGKILL a run's whole process tree (`_descendants`, `_kill_tree`);
+- `folders`, `thread_probe`: a read-only folder for store refusals; a thread-policy probe.
 """
