@@ -59,6 +59,7 @@ from pathlib import Path
 from benchmarks.bench_learning_report import evaluate_points, print_tables, report_html
 from benchmarks.bench_pipeline import workflow_command
 from benchmarks.harness import BENCH_DIR, REPO, _version, box_probe, ensure_trl_venv
+from tasks.keys import parse_policy_key
 
 
 
@@ -240,10 +241,11 @@ def run_flyroll(cfg: dict, budget_s: float, threads: int, root: str) -> dict:
     store = ArtifactStore(store_root)
     points = []
     for key in store.list("runs/") if os.path.isdir(os.path.join(store_root, "runs")) else []:
-        if "/policy/v" not in key:
+        policy = parse_policy_key(key)
+        if policy is None:
             continue
         created = datetime.fromisoformat(store.manifest(key).created_at).timestamp()
-        points.append({"t": created - t0, "version": int(key.rsplit("/v", 1)[1]), "dir": os.path.join(store_root, key)})
+        points.append({"t": created - t0, "version": policy.version, "dir": os.path.join(store_root, key)})
     out = {"points": sorted(points, key=lambda p: p["t"]), "exit": rc, "log": os.path.join(root, "pyflyte.log")}
     if rc not in (None, 0) or not points:
         out["error"] = f"pyflyte exited {rc} with {len(points)} policy versions (log {out['log']})"

@@ -332,6 +332,7 @@ class TrainWorker:
         from engines.strategies import make_strategy
         from engines.training import TorchCriticEngine, TorchTrainEngine
         from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
+        from tasks.keys import is_run_key
 
         model_dir = fetch_cached(spec, key)
         device, dtype = _placed(self.devices, "actor_train")
@@ -350,7 +351,7 @@ class TrainWorker:
         self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy),
                                        compile=training.compile, compute_dtype=dtype, lora=lora,
                                        gradient_checkpointing=training.gradient_checkpointing, **opt)
-        if not state and key.startswith("runs/"):  # a run's own version without it: pruned
+        if not state and is_run_key(key):  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions that "
                   "hold one keep it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
         if state and self.engine.lora != ("lora_adapter" in state):  # the other mode's optimizer state does not fit
