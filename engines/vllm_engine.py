@@ -67,6 +67,21 @@ def _cpu_bind() -> str:
     return ",".join(str(c) for c in cores)
 
 
+def _raw(name: str, t) -> tuple[str, str, tuple[int, ...], bytes]:
+    """(name, dtype, shape, bytes) of a tensor: what crosses vLLM's collective_rpc (see `update_weights`)."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    return name, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(name: str, dtype: str, shape: tuple[int, ...], data: bytes):
+    """`_raw`'s inverse, in vLLM's worker: (name, tensor)."""
+    import torch
+
+    return name, torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`), called by name through `collective_rpc`.
 
@@ -98,7 +113,7 @@ class WeightSyncExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def flyroll_load_weights(self, named_tensors: list) -> None:
-        self.model_runner.get_model().load_weights(weights=iter(named_tensors))
+        self.model_runner.get_model().load_weights(weights=(_tensor(*raw) for raw in named_tensors))
 
     def flyroll_finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -276,7 +291,9 @@ class VLLMGenerationEngine:
         if self.torn is None:
             self.llm.collective_rpc("flyroll_begin_weight_update")
         self.torn, self.version = source, None
-        self.llm.collective_rpc("flyroll_load_weights", args=([(n, t) for n, t in named_tensors],))
+        # as raw bytes: vLLM's engine core decodes tensors as views of its message buffer, which it then cannot
+        # pickle on to the worker ("cannot pickle memoryview objects"); the worker rebuilds them (`_tensor`)
+        self.llm.collective_rpc("flyroll_load_weights", args=([_raw(n, t) for n, t in named_tensors],))
         if not partial:
             self.finish_weight_update(version)
 

@@ -194,7 +194,7 @@ def test_load_weights_updates_in_place(engine, policies):
 
 
 def _send_policy(model_dir: str, port: int, version: int) -> None:
-    """The trainer side of a live sync, in its own process: policy B in 16 KiB buckets."""
+    """The trainer side of a live sync, in its own process: policy B in 64 KiB buckets (several per model; the largest tensor is 48 KiB)."""
     import torch
 
     from engines.modeling import load_policy
@@ -203,7 +203,7 @@ def _send_policy(model_dir: str, port: int, version: int) -> None:
     torch.set_num_threads(1)
     model, _ = load_policy(model_dir)
     group = ModelUpdateGroup("127.0.0.1", port, 2, 0, timeout_s=120)
-    group.send(model.named_parameters(), version=version, bucket_bytes=16 << 10)
+    group.send(model.named_parameters(), version=version, bucket_bytes=64 << 10)
     group.close()
 
 
