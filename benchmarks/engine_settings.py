@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 
-# configs/algorithm.py's defaults with configs/tiny.yaml's `algorithm:` section over them (GRPO,
+# engines/algorithms/config.py's defaults with configs/tiny.yaml's `algorithm:` section over them (GRPO,
 # PPO-clip, k3 KL loss with beta 0.001). Plain values: no pydantic on the GPU box. After the move of
 # the config to engines/algorithms/config.py, `algorithm()` may build that class instead.
 ALGORITHM = {

@@ -60,7 +60,7 @@ class Column:
 
 _R, _S, _F = "rollout", "scoring", "reference"
 COLUMNS: tuple[Column, ...] = (
-    # rollout (tasks/rollout.py completion_rows; tasks/agentic.py episode_rows)
+    # rollout (tasks/pools.py completion_rows; tasks/agentic.py episode_rows)
     Column("prompt_id", "str", "id of the prompt in the train split (agentic: seed-<env seed>)", _R),
     Column("group_id", "str", "<iteration>:<prompt id>; the samples of one prompt (GRPO group) share it (partial "
            "rollout: the iteration its first segment was generated in)", _R),
@@ -96,7 +96,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("num_effective", "int", "agentic: actions that changed the environment's state", _R, optional=True),
     Column("num_invalid", "int", "agentic: actions that were not valid (not parsed, or not legal)", _R, optional=True),
     Column("env_error", "str", "agentic: the exception an env.step raised", _R, optional=True, nullable=True),
-    # scoring (tasks/scoring.py with_rewards; tasks/agentic.py score_episodes)
+    # scoring (tasks/pools.py with_rewards; tasks/agentic.py score_episodes)
     Column("reward", "float", "the sample's reward (a failed reward call: 0)", _S),
     Column("reward_error", "str", "why the reward call failed", _S, nullable=True),
     Column("reward_isolation", "str", "the code sandbox's isolation mode that scored the row (None: no sandbox)", _S,
