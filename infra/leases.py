@@ -63,6 +63,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+_LIVE_TOKENS: set[str] = set()  # tokens of the leases this process holds (taken and not released)
+
+
 def stale_reason(holder: dict[str, Any], stale_after_s: float, now: float | None = None) -> str | None:
     """Why the lease record `holder` is stale (its holder died), or None while it is live."""
     now = time.time() if now is None else now
@@ -201,12 +204,15 @@ class Lease:
                     self.token, self.generation = rec["token"], gens[-1]
                     return None
                 reason = stale_reason(rec, self.stale_after_s)
+                if reason is None and same_process and rec.get("token") not in _LIVE_TOKENS:
+                    reason = "this process released it but could not delete its record (the store failed then)"
                 if reason is None:
                     return rec
                 self.took_over = reason
                 n = gens[-1] + 1
             if self._retry(f"create {self._path(n)}", create_exclusive, self.fs, self._path(n), self._record(), self.local):
                 self.generation = n
+                _LIVE_TOKENS.add(self.token)
                 if self.took_over:
                     log.warning("lease %s (%s): took over from a stale holder: %s", self.prefix, self.what, self.took_over)
                 for old in gens:  # the holder is the newest generation; older ones are debris
@@ -252,6 +258,7 @@ class Lease:
     def release(self) -> bool:
         """Stop the heartbeat and delete this holder's record; False when it was not held (any more)."""
         self._stop.set()
+        _LIVE_TOKENS.discard(self.token)  # released even if the delete below fails: `try_acquire` then takes it over
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self.generation is None:

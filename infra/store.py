@@ -503,6 +503,7 @@ class ArtifactStore:
             existing = self._published(key, entries, kind, other_writer=True)
             if existing is not None:
                 return existing
+        failed = False
         try:
             lease.start_heartbeat()
             existing = self._published(key, entries, kind, other_writer=True)  # finished while we took the lease
@@ -529,8 +530,17 @@ class ArtifactStore:
                 if existing is not None:
                     return existing
                 self._write_manifest(key, m.to_json().encode())  # over an unreadable one (no version): we hold the lease
+        except BaseException:
+            failed = True
+            try:  # the store may be what failed: one attempt, and the error to raise is the one that stopped the publish
+                lease._retry = lambda what, fn, *a, **k: fn(*a, **k)
+                lease.release()
+            except Exception as e:  # noqa: BLE001 -- logged; a claim left behind is taken over as stale
+                log.warning("store: publish %s failed; its lease could not be released either (%s)", self.uri(key), e)
+            raise
         finally:
-            lease.release()
+            if not failed:
+                lease.release()
         log.info("store: published %s (%s, %d files)", self.uri(key), kind, len(entries))
         return m
 
