@@ -175,6 +175,17 @@ def build_splits(d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     return out[0], out[1], problems
 
 
+_MODEL_CONFIGS = ("config.json", "generation_config.json")
+
+
+def _context_of(store: ArtifactStore, base: PolicyRef) -> int | None:
+    """The policy's context length (engines/modeling.py `context_length` of its config.json)."""
+    from engines.modeling import context_length  # transformers (~5 s): see build_base_policy
+
+    with tempfile.TemporaryDirectory() as d:
+        return context_length(store.fetch(base.key, d, include=("config.json",)))
+
+
 def bounded_splits(cfg, store: ArtifactStore, base: PolicyRef, train, evals) -> tuple["pd.DataFrame", "pd.DataFrame", dict]:
     """The splits with no prompt over data.max_prompt_tokens (default: the policy's context minus
     rollout.max_new_tokens), counted with the policy's tokenizer as the rollout encodes them
@@ -228,10 +239,14 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     store = store_of(spec)
-    tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()  # and config.json
-                             if not rel.startswith(_NOT_TOKENIZER))
-    version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, cfg.rollout.max_new_tokens,
-                                         cfg.model.apply_chat_template], sort_keys=True).encode()).hexdigest()[:12]
+    # the policy's part of the key: its tokenizer's files and its context (what bounds the prompts), not the
+    # rest of its config.json, which a trained checkpoint of the same model rewrites (a retrain from the
+    # champion must find the dataset its first run built, or recorded scores would not compare)
+    tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()
+                             if not rel.startswith(_NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
+    version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, _context_of(store, base),
+                                         cfg.rollout.max_new_tokens, cfg.model.apply_chat_template],
+                                        sort_keys=True).encode()).hexdigest()[:12]
     name = "synthetic" if not cfg.data.sources else "mixed"
     keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
     if not all(store.exists(k) for k in keys.values()):
