@@ -175,7 +175,9 @@ def build_splits(d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     return out[0], out[1], problems
 
 
-_MODEL_CONFIGS = ("config.json", "generation_config.json")
+# rewritten by every save_pretrained of the same model (a trained checkpoint's differ from its base's); the
+# vocabulary (tokenizer.json, vocab/merges) and the context length are what bound the prompts
+_MODEL_CONFIGS = ("config.json", "generation_config.json", "tokenizer_config.json")
 
 
 def _context_of(store: ArtifactStore, base: PolicyRef) -> int | None:
@@ -239,9 +241,9 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     store = store_of(spec)
-    # the policy's part of the key: its tokenizer's files and its context (what bounds the prompts), not the
-    # rest of its config.json, which a trained checkpoint of the same model rewrites (a retrain from the
-    # champion must find the dataset its first run built, or recorded scores would not compare)
+    # the policy's part of the key: its vocabulary files and its context (what bounds the prompts), not its
+    # config files, which a trained checkpoint of the same model rewrites (a retrain from the champion must
+    # find the dataset its first run built, or recorded scores would not compare)
     tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()
                              if not rel.startswith(_NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
     version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, _context_of(store, base),
