@@ -68,7 +68,6 @@ def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict,
     Each actor process starts with the passive OpenMP wait policy and its torch thread count
     (`init_kwargs["threads"]`, when it takes one) in its environment, set before it loads torch
     (engines/threads.py `child_env`)."""
-    import ray
 
     ensure_ray()
     runtime_env = dict(options.get("runtime_env") or {})

@@ -21,10 +21,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.support.processes import _descendants, _kill_tree
+from tests.support.processes import run_until_marker_then_kill
 from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 pytestmark = pytest.mark.slow
@@ -74,22 +73,11 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
            # evaluation scores with the training reward too: pause after iteration 2's evaluation has
            # logged its table (runs/mlartifacts/.../eval/v0002.csv), i.e. in iteration 3's scoring
            "FLYROLL_TEST_PAUSE_AFTER": f"{tmp_path}/runs/mlartifacts/**/eval/v0002.csv"}
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    known: dict[int, psutil.Process] = {}
-    try:
-        deadline = time.monotonic() + 480
-        while time.monotonic() < deadline and proc.poll() is None and not paused.exists():
-            known.update({p.pid: p for p in _descendants(proc.pid)})
-            time.sleep(0.2)
-        assert paused.exists(), "iteration 3 never reached scoring:\n" + (tmp_path / "first.log").read_text()[-3000:]
-        c, (run,) = _parent_run(tracking_uri)
-        assert [m.step for m in c.get_metric_history(run.info.run_id, "rollout/response_length")] == [1, 2, 3]  # partial step 3
-        assert "reward/mean" not in c.get_run(run.info.run_id).data.metrics or \
-            [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
-    finally:
-        _kill_tree(proc, known)
-        log.close()
+    run_until_marker_then_kill(cmd, tmp_path, env, paused, tmp_path / "first.log")  # paused in iteration 3's scoring
+    c, (run,) = _parent_run(tracking_uri)
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "rollout/response_length")] == [1, 2, 3]  # partial step 3
+    assert "reward/mean" not in c.get_run(run.info.run_id).data.metrics or \
+        [m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2]
     killed_at = [k.rsplit("/", 1)[-1] for k in store.list("runs") if "/policy/" in k]
     assert killed_at == ["v0001", "v0002"], killed_at  # killed inside iteration 3
 

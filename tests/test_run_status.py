@@ -121,7 +121,7 @@ def test_sigkill_during_weight_sync_then_resume_leaves_nothing_running_and_no_me
     from mlflow.tracking import MlflowClient
 
     from infra import tracking
-    from tests.support.processes import _descendants, _kill_tree
+    from tests.support.processes import run_until_marker_then_kill
 
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -131,18 +131,7 @@ def test_sigkill_during_weight_sync_then_resume_leaves_nothing_running_and_no_me
     paused = tmp_path / "paused"
     env = {**_env(tmp_path), "PYTHONPATH": f"{hook}:{REPO}", "FLYROLL_TEST_PAUSE_PUBLISH": "/policy/v0002",
            "FLYROLL_TEST_PAUSED": str(paused)}
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    known: dict = {}
-    try:
-        deadline = time.monotonic() + 480
-        while time.monotonic() < deadline and proc.poll() is None and not paused.exists():
-            known.update({p.pid: p for p in _descendants(proc.pid)})
-            time.sleep(0.2)
-        assert paused.exists(), "iteration 2's weight sync never published:\n" + (tmp_path / "first.log").read_text()[-3000:]
-    finally:
-        _kill_tree(proc, known)
-        log.close()
+    run_until_marker_then_kill(cmd, tmp_path, env, paused, tmp_path / "first.log")  # paused in iteration 2's publish
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = c.get_experiment_by_name("flyroll")
     (parent,) = [r for r in c.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
