@@ -6,6 +6,8 @@ Nothing heavy is imported: pandas is only duck-typed, flytekit is imported insid
 - `curves_html(history)`   one line chart per metric (`{key: [(iteration, value), ...]}`)
 - `samples_html(samples)`  best / worst / random rollouts; model text is untrusted and escaped
 - `timings_html(timings)`  stage seconds as horizontal bars with the share of the total
+- `gain_text(before, after)` "0.08 → 0.04 (×0.5)": a change as before → after and their ratio
+- `lineage_html(rows)`     the final policy's lineage rows as a table
 - `report_html(...)`       a standalone document composing all of the above
 - `publish_deck(name, html)` adds a `flytekit.Deck` when inside a Flyte task, else does nothing
 - `write_report(path, html)` writes the file atomically and returns the path
@@ -210,14 +212,17 @@ def _num_cell(value: object) -> str:
         return _text_cell(value, "fr-num")
 
 
+_HEADINGS = {"answer": "reference answer"}
+
+
 def _samples_table(rows: "pd.DataFrame", cols: list[str]) -> str:
-    head = "".join(f"<th>{_esc(c)}</th>" for c in cols)
+    head = "".join(f"<th>{_esc(_HEADINGS.get(c, c))}</th>" for c in cols)
     body = []
     for _, r in rows.iterrows():
         cells = [_num_cell(r[c]) if c == "reward" else
                  _text_cell(r[c], "fr-text fr-err" if c == "reward_error" else "fr-text") for c in cols]
         body.append("<tr>" + "".join(cells) + "</tr>")
-    widths = {"prompt": 30, "response": 45, "reward": 7, "domain": 8, "reward_error": 10}
+    widths = {"prompt": 26, "response": 36, "answer": 13, "reward": 7, "domain": 8, "reward_error": 10}
     colgroup = "".join(f'<col style="width:{widths[c]}%">' for c in cols)
     return f'<table class="fr-table"><colgroup>{colgroup}</colgroup><tr>{head}</tr>{"".join(body)}</table>'
 
@@ -231,7 +236,7 @@ def _samples_body(samples: "pd.DataFrame", n: int, seed: int) -> str:
         raise ValueError(f"samples_html: n must be >= 1, got {n}")
     if len(samples) == 0:
         return '<p class="fr-note">no samples</p>'
-    cols = [c for c in ("prompt", "response", "reward", "domain", "reward_error") if c in samples.columns]
+    cols = [c for c in ("prompt", "response", "answer", "reward", "domain", "reward_error") if c in samples.columns]
     import pandas as pd                 # already loaded by whoever built `samples`
 
     key = pd.to_numeric(samples["reward"], errors="coerce").reset_index(drop=True)   # positions 0..N-1
@@ -246,7 +251,7 @@ def _samples_body(samples: "pd.DataFrame", n: int, seed: int) -> str:
 
 def samples_html(samples: "pd.DataFrame", n: int = 5, seed: int = 0) -> str:
     """Best n, worst n and random n rows of a rollout table (columns prompt, response, reward, and
-    domain / reward_error when present). Text is escaped, long text truncated with the full text
+    the reference answer / domain / reward_error when present). Text is escaped, long text truncated with the full text
     (up to TITLE_LIMIT chars) in the cell's `title`, newlines kept."""
     body = _samples_body(samples, n, seed)
     return f'{_STYLE}<div class="fr-report"><h2>Samples ({len(samples)} rows)</h2>{body}</div>'
@@ -304,13 +309,28 @@ def _summary_body(summary: dict[str, float | str]) -> str:
     return f'<table class="fr-table fr-summary">{"".join(rows)}</table>'
 
 
+def gain_text(before: float, after: float) -> str:
+    """A change read at a glance: "0.08 → 0.04 (×0.5)" -- before → after and their ratio (no
+    "improvement" that is really a halving). A start of 0 has no ratio; it says so."""
+    ratio = "no ratio: it started at 0" if before == 0 else f"×{after / before:.3g}"
+    return f"{_fmt(before)} → {_fmt(after)} ({ratio})"
+
+
+def lineage_html(rows: list[tuple[str, str]]) -> str:
+    """The lineage of the final policy ((label, value) rows, infra/lineage.py summary_rows) as a table."""
+    body = "".join(f"<tr><th>{_esc(k)}</th>{_text_cell(v)}</tr>" for k, v in rows)
+    return f'<table class="fr-table fr-summary fr-lineage">{body}</table>'
+
+
 def report_html(*, title: str, history: dict[str, list[tuple[int, float]]],
                 samples: "pd.DataFrame | None" = None, timings: dict[str, float] | None = None,
-                summary: dict[str, float | str] | None = None) -> str:
-    """A standalone HTML document: summary table, training curves, stage timings, samples."""
+                summary: dict[str, float | str] | None = None, lineage: list[tuple[str, str]] | None = None) -> str:
+    """A standalone HTML document: summary table, lineage, training curves, stage timings, samples."""
     parts = [f"<h1>{_esc(title)}</h1>"]
     if summary:
         parts.append(f"<h2>Summary</h2>{_summary_body(summary)}")
+    if lineage:
+        parts.append(f"<h2>Lineage</h2>{lineage_html(lineage)}")
     parts.append(f"<h2>Training curves</h2>{_curves_body(history)}")
     if timings is not None:
         parts.append(f"<h2>Stage timings</h2>{_timings_body(timings)}")

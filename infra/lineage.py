@@ -109,3 +109,40 @@ def cli_main(argv: list[str]) -> int:
     for d in rec["datasets"]:
         print(f"dataset {d['key']}: {d.get('rows')} rows, domains {d.get('domains')}")
     return 0
+
+
+# ------------------------------------------------------------------ lineage on the run page and in report.html
+
+CHAIN_SHOWN = 6   # versions of the parent chain named on the run page / in the report; `flyroll lineage` has all
+
+
+def summary_rows(rec: dict, config_hash: str) -> list[tuple[str, str]]:
+    """The lineage of a final policy as (label, value) rows: policy, model version, base model,
+    dataset versions, config hash and the parent chain (newest first, the middle elided past
+    CHAIN_SHOWN versions). `rec` is a `lineage()` record."""
+    mv = rec["chain"][0].get("mlflow", {})
+    keys = [v["key"] for v in rec["chain"]]
+    shown = keys if len(keys) <= CHAIN_SHOWN else [*keys[:CHAIN_SHOWN - 1], f"… {len(keys) - CHAIN_SHOWN} more …", keys[-1]]
+    data = [f"{d['key']} ({d['rows']} rows)" if d.get("rows") is not None else d["key"] for d in rec["datasets"]]
+    return [("final policy", rec["policy"]),
+            ("model version", f"flyroll-policy v{mv['model_version']}" if mv else "not registered"),
+            ("base model", rec["base_model"]),
+            ("dataset", "; ".join(data) or "none recorded"),
+            ("config hash", config_hash),
+            ("parent chain", " ← ".join(shown))]
+
+
+def _md(text: str) -> str:
+    """Text for a markdown table cell: pipes and markdown punctuation escaped."""
+    return "".join("\\" + ch if ch in "\\`*_{}[]<>|#" else ch for ch in str(text))
+
+
+def note_markdown(title: str, key_charts: list[tuple[str, str, str]], rows: list[tuple[str, str]]) -> str:
+    """A run description (MLflow's `mlflow.note.content`, shown on the run page): the key charts
+    as (metric, "before → after" text, link to MLflow's metric page) and the lineage rows."""
+    out = [f"### {_md(title)}", "", "**Key charts** (MLflow's Model metrics tab sorts its sections alphabetically; "
+           "these links open each chart on its own):", ""]
+    out += [f"- [{_md(k)}]({link}): {_md(gain)}" for k, gain, link in key_charts] or ["- no key metric was logged"]
+    out += ["", "**Lineage** (`flyroll lineage` prints the whole chain):", "", "| | |", "|---|---|"]
+    out += [f"| {_md(k)} | {_md(v)} |" for k, v in rows]
+    return "\n".join(out) + "\n"

@@ -20,6 +20,7 @@ run or iteration sets its run back to RUNNING.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -164,13 +165,26 @@ def client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+# MLflow 3's UI opens an experiment on its GenAI overview (traces, evaluations) unless told it is a
+# model-training one. Two ways, for two generations of the UI: the experiment tag `mlflow.experimentKind`
+# = "custom_model_development" (what the UI's experiment-kind selector writes; read by UIs that show that
+# selector), and -- in MLflow 3.17, whose UI ignores the tag and follows its own GenAI / Model training
+# switch, remembered per browser -- the URL parameter `workflowType=machine_learning` (`ui_links`).
+EXPERIMENT_KIND, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+TRAINING_VIEW = "workflowType=machine_learning"
+NOTE = "mlflow.note.content"   # a run's description: markdown shown at the top of its run page
+
+
 def start_parent_run(tracking_uri: str, experiment: str, run_name: str, params: dict[str, str], tags: dict[str, str], artifact_location: str | None = None) -> str:
-    """Create the experiment if needed and a parent run with the resolved config as params; returns its id."""
+    """Create the experiment if needed (tagged as a training experiment, `EXPERIMENT_KIND`) and a parent
+    run with the resolved config as params; returns its id."""
     from mlflow.entities import Param, RunTag
 
     c = client(tracking_uri)
     exp = c.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else c.create_experiment(experiment, artifact_location=artifact_location)
+    if EXPERIMENT_KIND not in (exp.tags if exp else {}):  # a kind someone chose in the UI is kept
+        c.set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING_KIND)
     run = c.create_run(exp_id, run_name=run_name, tags=tags)
     items = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):
@@ -271,6 +285,41 @@ def set_tags(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
     client(tracking_uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def log_dataset(tracking_uri: str, run_id: str, name: str, digest: str, source: str, context: str,
+                profile: dict | None = None) -> None:
+    """Record a dataset as an input of run `run_id` (the run page's "Datasets" and the Runs table's
+    dataset column): `name`, `digest` (its version; MLflow keeps at most 36 characters), `source`
+    (its store URI) and `context` (train / eval). MLflow keeps one entry per (name, digest, context),
+    so a retried task logs nothing twice."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    if len(digest) > 36:
+        raise ValueError(f"dataset {name!r}: digest {digest!r} is {len(digest)} characters; MLflow keeps at most 36")
+    scheme = source.split("://", 1)[0] if "://" in source else "local"
+    ds = Dataset(name=name, digest=digest, source_type=scheme, source=json.dumps({"uri": source}),
+                 profile=json.dumps(profile) if profile else None)
+    client(tracking_uri).log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
+
+
+def metric_page_link(experiment_id: str, run_id: str, keys: list[str]) -> str:
+    """A link (relative to the MLflow UI's root, which routes on the URL fragment) to MLflow's metric
+    page plotting `keys` of run `run_id` (the query MLflow's own `getMetricPageRoute` builds)."""
+    from urllib.parse import quote
+
+    query = {"runs": [run_id], "metric": keys[0], "experiments": [experiment_id], "plot_metric_keys": keys}
+    return "#/metric/?" + "&".join(f"{k}={quote(json.dumps(v, separators=(',', ':')), safe='')}" for k, v in query.items())
+
+
+def ui_links(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Where to look at a run in the MLflow UI: the experiment's Runs table and the run page (opened
+    in the Model training view), or, for a local SQLite store, the `mlflow ui` command to start first."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else None
+    prefix = base or "http://127.0.0.1:5000"
+    links = (f"{prefix}/#/experiments/{experiment_id}?{TRAINING_VIEW}\n"
+             f"  run: {prefix}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}")
+    return links if base else f"mlflow ui --backend-store-uri {tracking_uri}, then {links}"
 
 
 def log_text(tracking_uri: str, run_id: str, text: str, artifact_file: str) -> None:

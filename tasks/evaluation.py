@@ -10,7 +10,7 @@ from flytekit import task
 
 from engines.datasets import encode_nested
 from engines.evaluation import eval_metrics, sampled_metrics
-from infra import decks, tracking
+from infra import decks, lineage, tracking
 from infra.ray_session import is_local_execution, shutdown
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
@@ -55,12 +55,17 @@ def _scored(spec: RunSpec, rows: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
+KEY_METRICS = ("eval/accuracy", "reward/mean", "eval/reward")  # first in report.html, linked from the run page
+
+
 def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
     c = tracking.client(spec.tracking_uri)
     run = c.get_run(spec.mlflow_run_id)
     keys = [k for k in run.data.metrics if k.startswith(("eval/accuracy", "eval/pass_at_", "eval/sampled_accuracy", "reward/mean", "reward/accuracy", "rollout/response_length", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac"))]
     out = {}
-    for k in sorted(keys):  # one point per step (the first), also for runs logged before logging was idempotent
+    # the key charts first (a reader's first question is "did it learn?"), then the rest by name
+    for k in sorted(keys, key=lambda k: (KEY_METRICS.index(k) if k in KEY_METRICS else len(KEY_METRICS), k)):
+        # one point per step (the first), also for runs logged before logging was idempotent
         first: dict[int, float] = {}
         for m in sorted(c.get_metric_history(spec.mlflow_run_id, k), key=lambda m: (m.step, m.timestamp)):
             first.setdefault(m.step, m.value)
@@ -82,23 +87,28 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
             vals = [m.value for m in c.get_metric_history(spec.mlflow_run_id, k)]
             timings[k.split("/", 1)[1].removesuffix("_s")] = sum(vals) / max(1, len(vals))
     summary: dict[str, float | str] = {"run": spec.run_id, "final policy": policy.key, "model version": policy.model_version}
-    if acc:
-        summary.update({"eval accuracy (start)": acc[0][1], "eval accuracy (final)": acc[-1][1],
-                        "improvement": acc[-1][1] / acc[0][1] if acc[0][1] > 0 else float("inf")})
+    key_charts = []  # (metric, "before → after (×ratio)", link to MLflow's metric page)
+    exp_id = c.get_run(spec.mlflow_run_id).info.experiment_id
+    for k in KEY_METRICS:
+        if pts := history.get(k):
+            gain = f"{decks.gain_text(pts[0][1], pts[-1][1])}, iteration {pts[0][0]} → {pts[-1][0]}"
+            summary[k] = gain
+            key_charts.append((k, gain, tracking.metric_page_link(exp_id, spec.mlflow_run_id, [k])))
+    rows = lineage.summary_rows(lineage.lineage(policy.key, spec.store_uri, spec.tracking_uri), spec.config_hash)
     html = decks.report_html(title=f"flyroll {spec.run_id}", history=history, samples=samples if len(samples) else None,
-                             timings=timings, summary=summary)
+                             timings=timings, summary=summary, lineage=rows)
     decks.publish_deck("flyroll report", html)
     path = decks.write_report(os.path.join(os.path.abspath(cfg.run.output_dir), spec.run_id, "report.html"), html)
     tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, html, "report.html")
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete",
-                                                              "flyroll.final_model_version": policy.model_version})
+                                                              "flyroll.final_model_version": policy.model_version,
+                                                              tracking.NOTE: lineage.note_markdown(f"flyroll {spec.run_id}", key_charts, rows)})
     tracking.end_run(spec.tracking_uri, spec.mlflow_run_id)
     store_of(spec).unlock_run(spec.run_id)  # the run lock prepare_run took (a killed run's: taken over by the next)
     console.print(f"[bold green]done[/] final policy {policy.key} (MLflow model version {policy.model_version or '-'})")
     if acc:
         console.print(f"eval/accuracy {acc[0][1]:.3f} (iteration {acc[0][0]}) → {acc[-1][1]:.3f} (iteration {acc[-1][0]})")
-    ui = spec.tracking_uri if spec.tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {spec.tracking_uri}"
-    console.print(f"report: {path}\nMLflow UI: {ui}")
+    console.print(f"report: {path}\nMLflow UI: {tracking.ui_links(spec.tracking_uri, exp_id, spec.mlflow_run_id)}")
     if is_local_execution():
         shutdown()
     return policy

@@ -278,6 +278,11 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                           long_key: float(manifest.metadata.get("long_prompts", 0)),
                           "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"]})
+    for split, key in keys.items():  # MLflow dataset inputs: the run page's Datasets, the Runs table's dataset column
+        meta = manifest.metadata if split == "train" else store.manifest(key).metadata
+        tracking.log_dataset(spec.tracking_uri, spec.mlflow_run_id, name=f"{name}/{split}", digest=version,
+                             source=store.uri(key), context=split,
+                             profile={"rows": meta.get("rows"), "domains": meta.get("domain_rows")})
     return DatasetRef(train_key=keys["train"], eval_key=keys["eval"])
 
 

@@ -213,12 +213,42 @@ def test_timings_odd_values():
 
 # ---------------------------------------------------------------------------------- report
 
+LINEAGE = [("final policy", "runs/r-1/policy/v0002"), ("base model", "models/tiny-abc/v0000"),
+           ("dataset", "datasets/synthetic-0123456789ab/train (64 rows)"), ("config hash", "c0ffee123456"),
+           ("parent chain", "runs/r-1/policy/v0002 ← runs/r-1/policy/v0001 ← models/tiny-abc/v0000")]
+
+
 def full_report() -> str:
-    df = rollouts([0.1, 0.9, 0.4])
+    df = rollouts([0.1, 0.9, 0.4], answer=["17", None, "olleh"])
     df.loc[1, "response"] = HOSTILE[0]
     return report_html(title="run <42>", history=HISTORY, samples=df,
                        timings={"rollout": 3.0, "train_step": 1.0},
-                       summary={"run_id": "r-1", "iterations": 30, "reward/mean": 0.68, "note": HOSTILE[1]})
+                       summary={"run_id": "r-1", "iterations": 30, "eval/accuracy": decks.gain_text(0.08, 0.04),
+                                "reward/mean": 0.68, "note": HOSTILE[1]},
+                       lineage=LINEAGE)
+
+
+@pytest.mark.parametrize("before,after,text", [
+    (0.08, 0.04, "0.08 → 0.04 (×0.5)"),                  # a halving reads as one, not as "improvement 0.5"
+    (0.2, 0.5, "0.2 → 0.5 (×2.5)"),
+    (0.3, 0.3, "0.3 → 0.3 (×1)"),
+    (0.0, 0.25, "0 → 0.25 (no ratio: it started at 0)"),
+    (1 / 3, 0.5, "0.3333 → 0.5 (×1.5)"),
+])
+def test_gain_text_before_after_ratio(before, after, text):
+    assert decks.gain_text(before, after) == text
+
+
+def test_samples_show_the_reference_answer_and_reward():
+    df = rollouts([1.0, 0.0], answer=["42", None])
+    df["response"] = ["the answer is 42", "the answer is 41"]
+    doc = samples_html(df, n=2)
+    check(doc)
+    best = doc.split("<h3>")[1]
+    assert ">reference answer</th>" in best and ">reward</th>" in best
+    row = best.split("<tr>")[2]                           # the best row: its response, reference and reward
+    assert "the answer is 42" in row and '<td class="fr-text">42</td>' in row and '<td class="fr-num">1</td>' in row
+    assert '<td class="fr-text"></td>' in best.split("<tr>")[3]   # no reference (code tests, environments): empty
 
 
 def test_report_is_a_standalone_document():
@@ -228,8 +258,11 @@ def test_report_is_a_standalone_document():
     assert doc.count("<svg") == len(HISTORY) + 1                       # curves + timings
     text = "".join(p.text)
     for piece in ("run <42>", "Summary", "iterations", "0.68", HOSTILE[1], "Training curves",
-                  "Stage timings", "Samples (3 rows)", HOSTILE[0]):
+                  "Stage timings", "Samples (3 rows)", HOSTILE[0], "0.08 → 0.04 (×0.5)", "reference answer", "olleh"):
         assert piece in text
+    assert text.index("Lineage") < text.index("Training curves")
+    for label, value in LINEAGE:
+        assert label in text and value in text
     minimal = report_html(title="t", history={})
     check(minimal)
     assert "Samples" not in minimal and "Stage timings" not in minimal
