@@ -137,12 +137,28 @@ def _md(text: str) -> str:
     return "".join("\\" + ch if ch in "\\`*_{}[]<>|#" else ch for ch in str(text))
 
 
-def note_markdown(title: str, key_charts: list[tuple[str, str, str]], rows: list[tuple[str, str]]) -> str:
-    """A run description (MLflow's `mlflow.note.content`, shown on the run page): the key charts
-    as (metric, "before → after" text, link to MLflow's metric page) and the lineage rows."""
-    out = [f"### {_md(title)}", "", "**Key charts** (MLflow's Model metrics tab sorts its sections alphabetically; "
-           "these links open each chart on its own):", ""]
-    out += [f"- [{_md(k)}]({link}): {_md(gain)}" for k, gain, link in key_charts] or ["- no key metric was logged"]
-    out += ["", "**Lineage** (`flyroll lineage` prints the whole chain):", "", "| | |", "|---|---|"]
+def key_charts(history: dict[str, list[tuple[int, float]]], keys: tuple[str, ...], experiment_id: str,
+               run_id: str) -> list[tuple[str, str, str]]:
+    """(metric, "before → after (×ratio), iteration i → j", link to MLflow's metric page) for each
+    of `keys` that has points in `history` ({key: [(iteration, value), ...]}, sorted by iteration)."""
+    from infra.decks import gain_text
+
+    out = []
+    for k in keys:
+        if pts := history.get(k):
+            gain = f"{gain_text(pts[0][1], pts[-1][1])}, iteration {pts[0][0]} → {pts[-1][0]}"
+            out.append((k, gain, tracking.metric_page_link(experiment_id, run_id, [k])))
+    return out
+
+
+def note_markdown(key_charts: list[tuple[str, str, str]], rows: list[tuple[str, str]]) -> str:
+    """A run description (MLflow's `mlflow.note.content`, shown on the run page's Overview, folded
+    after a few lines): the key charts as (metric, "before → after" text, link to MLflow's metric page)
+    and the lineage rows, each on one line first (what shows before "Show more"), then as a table."""
+    charts = " · ".join(f"[{_md(k)}]({link}) {_md(gain)}" for k, gain, link in key_charts) or "no key metric was logged"
+    short = "; ".join(f"{_md(k)}: {_md(v)}" for k, v in rows if k != "parent chain")
+    out = [f"**Key charts:** {charts}", "", f"**Lineage:** {short}", "", "| lineage | |", "|---|---|"]
     out += [f"| {_md(k)} | {_md(v)} |" for k, v in rows]
+    out += ["", "The Model metrics tab orders its sections alphabetically (MLflow has no setting for it): the links "
+            "above open each key chart on its own. `flyroll lineage <run id>` prints the whole chain."]
     return "\n".join(out) + "\n"

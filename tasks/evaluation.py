@@ -87,13 +87,9 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
             vals = [m.value for m in c.get_metric_history(spec.mlflow_run_id, k)]
             timings[k.split("/", 1)[1].removesuffix("_s")] = sum(vals) / max(1, len(vals))
     summary: dict[str, float | str] = {"run": spec.run_id, "final policy": policy.key, "model version": policy.model_version}
-    key_charts = []  # (metric, "before → after (×ratio)", link to MLflow's metric page)
     exp_id = c.get_run(spec.mlflow_run_id).info.experiment_id
-    for k in KEY_METRICS:
-        if pts := history.get(k):
-            gain = f"{decks.gain_text(pts[0][1], pts[-1][1])}, iteration {pts[0][0]} → {pts[-1][0]}"
-            summary[k] = gain
-            key_charts.append((k, gain, tracking.metric_page_link(exp_id, spec.mlflow_run_id, [k])))
+    key_charts = lineage.key_charts(history, KEY_METRICS, exp_id, spec.mlflow_run_id)
+    summary.update({k: gain for k, gain, _ in key_charts})
     rows = lineage.summary_rows(lineage.lineage(policy.key, spec.store_uri, spec.tracking_uri), spec.config_hash)
     html = decks.report_html(title=f"flyroll {spec.run_id}", history=history, samples=samples if len(samples) else None,
                              timings=timings, summary=summary, lineage=rows)
@@ -102,7 +98,7 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
     tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, html, "report.html")
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.final_policy": policy.key, "flyroll.status": "complete",
                                                               "flyroll.final_model_version": policy.model_version,
-                                                              tracking.NOTE: lineage.note_markdown(f"flyroll {spec.run_id}", key_charts, rows)})
+                                                              tracking.NOTE: lineage.note_markdown(key_charts, rows)})
     tracking.end_run(spec.tracking_uri, spec.mlflow_run_id)
     store_of(spec).unlock_run(spec.run_id)  # the run lock prepare_run took (a killed run's: taken over by the next)
     console.print(f"[bold green]done[/] final policy {policy.key} (MLflow model version {policy.model_version or '-'})")
