@@ -71,3 +71,25 @@ def test_text_output_reads_as_a_chain_back_to_the_base(run):
 def test_unknown_targets_fail_with_a_clear_message(run):
     proc = _lineage(run, "runs/nope/policy/v0001")
     assert proc.returncode == 2 and "no artifact version 'runs/nope/policy/v0001'" in proc.stderr
+
+
+def test_run_page_and_report_carry_the_lineage(run):
+    """finalize writes the lineage and the key charts into the run description and report.html;
+    make_dataset logs both splits as MLflow dataset inputs; the experiment is a training one."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=run["tracking"])
+    parent = c.get_run(run["parent"].info.run_id)
+    final = run["versions"][-1]
+    key, run_id = final.tags["flyroll.key"], parent.data.tags["flyroll.run_id"]
+    assert c.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("**Key charts:** [eval/accuracy](#/metric/?") and " → " in note and "(×" in note
+    assert f"final policy: {key}".replace("_", "\\_") in note
+    assert f"config hash: {parent.data.tags['flyroll.config_hash']}" in note and "base model: models/tiny-" in note
+    inputs = {i.dataset.name: i for i in parent.inputs.dataset_inputs}
+    assert sorted(inputs) == ["synthetic/eval", "synthetic/train"]
+    train = inputs["synthetic/train"]
+    assert train.dataset.digest in final.tags["flyroll.dataset"] and final.tags["flyroll.dataset"] in train.dataset.source
+    report = (run["tmp"] / "runs" / run_id / "report.html").read_text()
+    assert "<h2>Lineage</h2>" in report and key in report and "reference answer" in report and "improvement" not in report
