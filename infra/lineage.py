@@ -159,6 +159,6 @@ def note_markdown(key_charts: list[tuple[str, str, str]], rows: list[tuple[str, 
     short = "; ".join(f"{_md(k)}: {_md(v)}" for k, v in rows if k != "parent chain")
     out = [f"**Key charts:** {charts}", "", f"**Lineage:** {short}", "", "| lineage | |", "|---|---|"]
     out += [f"| {_md(k)} | {_md(v)} |" for k, v in rows]
-    out += ["", "The Model metrics tab orders its sections alphabetically (a reordering is kept only in that browser): the links "
-            "above open each key chart on its own. `flyroll lineage <run id>` prints the whole chain."]
+    out += ["", ("The Model metrics tab orders its sections alphabetically (a reordering is kept only in that browser): "
+                 "the links above open each key chart on its own. `flyroll lineage <run id>` prints the whole chain.")]
     return "\n".join(out) + "\n"

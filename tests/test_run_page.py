@@ -124,14 +124,14 @@ def _chromium(tmp_path, url: str, screenshot: str | None = None) -> str:
            "--disable-background-networking", "--disable-component-update", "--hide-scrollbars",
            f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1800", "--virtual-time-budget=15000"]
     if screenshot:
-        subprocess.run([*cmd, f"--screenshot={screenshot}", url], capture_output=True, timeout=90)
-    run = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90)
+        subprocess.run([*cmd, f"--screenshot={screenshot}", url], capture_output=True, timeout=90, check=False)
+    run = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90, check=False)
     assert run.stdout, f"chromium printed no DOM for {url}: exit {run.returncode}: {run.stderr[-2000:]}"
     return run.stdout
 
 
 def _text(dom: str) -> str:
-    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
+    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.DOTALL)
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
 
 
