@@ -109,10 +109,11 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
 
 
 @workflow
-def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
+def retrain(config: str = "", iterations: int = 4, set: typing.List[str] = []) -> RetrainOut:  # noqa: A002,B006
     """Retrain from the champion. config: YAML preset (default configs/tiny.yaml); iterations: RL
-    iterations to run (0 = only re-evaluate the champion)."""
-    spec, model_spec = prepare_run(config=config, restart=True)          # always a new run
+    iterations to run (0 = only re-evaluate the champion); set: overrides of the preset, a JSON list
+    of "dotted.key=value" items (as workflows/rlvr.py)."""
+    spec, model_spec = prepare_run(config=config, restart=True, overrides=set)  # always a new run
     start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
     dataset = make_dataset(spec=spec, base=start)                         # the config's dataset snapshot
     _, eval_every = loop_bounds(spec=spec)
@@ -126,6 +127,6 @@ def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
 nightly_retrain = LaunchPlan.get_or_create(
     workflow=retrain,
     name="flyroll_nightly_retrain",
-    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4},
+    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4, "set": []},  # set: overrides, as for retrain
     schedule=CronSchedule(schedule="0 3 * * *"),
 )
