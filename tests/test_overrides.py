@@ -5,6 +5,7 @@ the real `pyflyte run`."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 from infra.eval_cli import main as eval_main  # first: it sets the OpenMP wait policy before torch loads
@@ -15,7 +16,7 @@ import pytest  # noqa: E402
 from configs.overrides import OverrideError, parse_overrides  # noqa: E402
 from configs.schema import ConfigError, load_config  # noqa: E402
 from engines.rewards import REWARDS  # noqa: E402
-from tests.support.workflow import _config, _mlflow, _pyflyte_run
+from tests.support.workflow import PYFLYTE, REPO, _config, _env, _mlflow, _pyflyte_run
 
 GRADED = "tests.support.rewards:graded"  # 1.0 when the response starts with a digit, else 0.5
 
@@ -144,8 +145,13 @@ def test_repeated_set_is_refused_not_dropped():
         _refuse_repeated_set(["pyflyte", "run", "workflows/rlvr.py", "rlvr", "--set", '["a=1"]', "--set=[\"b=2\"]"])
 
 
-def test_pyflyte_set_unknown_key_is_refused_before_any_cluster(tmp_path):
-    proc = _pyflyte_run(tmp_path, "--config", str(_config(tmp_path)), "--set", '["rollout.temprature=0.7"]', timeout=120)
+@pytest.mark.parametrize("workflow", ["workflows/rlvr.py rlvr", "workflows/agentic.py agentic", "workflows/schedules.py retrain"])
+def test_pyflyte_set_unknown_key_is_refused_before_any_cluster(tmp_path, workflow):
+    """Every workflow hands its `set` input to prepare_run, which refuses the bad key first."""
+    config = str(_config(tmp_path)) if "rlvr" in workflow else str(REPO / "configs/frozenlake.yaml")
+    file, name = workflow.split()
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / file), name, "--config", config, "--set", '["rollout.temprature=0.7"]'],
+                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rollout.temprature: unknown key" in out, out[-3000:]

@@ -91,9 +91,14 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
 
 @workflow
 def rlvr(config: str = "", restart: bool = False, set: typing.List[str] = []) -> PolicyRef:  # noqa: A002,B006
-    """RLVR run. config: path to a YAML preset (default: configs/tiny.yaml). restart: start a new run
-    instead of resuming the last one with the same name and config. set: overrides of the preset,
-    a JSON list of "dotted.key=value" items (values read as YAML), e.g. '["rollout.temperature=0.7"]'."""
+    """RLVR run.
+
+    Args:
+        config: path to a YAML preset (default: configs/tiny.yaml)
+        restart: start a new run instead of resuming the last one with the same name and config
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
+            e.g. '["rollout.temperature=0.7", "training.lr=1e-5"]'
+    """
     spec, model_spec = prepare_run(config=config, restart=restart, overrides=set)
     base = bootstrap_policy(model_spec=model_spec)
     dataset = make_dataset(spec=spec, base=base)  # prompts bounded by the policy's tokenizer and context

@@ -110,9 +110,14 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
 
 @workflow
 def retrain(config: str = "", iterations: int = 4, set: typing.List[str] = []) -> RetrainOut:  # noqa: A002,B006
-    """Retrain from the champion. config: YAML preset (default configs/tiny.yaml); iterations: RL
-    iterations to run (0 = only re-evaluate the champion); set: overrides of the preset, a JSON list
-    of "dotted.key=value" items (as workflows/rlvr.py)."""
+    """Retrain from the champion.
+
+    Args:
+        config: YAML preset (default configs/tiny.yaml)
+        iterations: RL iterations to run (0 = only re-evaluate the champion)
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
+            e.g. '["training.lr=1e-5"]'
+    """
     spec, model_spec = prepare_run(config=config, restart=True, overrides=set)  # always a new run
     start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
     dataset = make_dataset(spec=spec, base=start)                         # the config's dataset snapshot
