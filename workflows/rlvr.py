@@ -3,6 +3,7 @@
     pyflyte run workflows/rlvr.py rlvr                                  # tiny default, ~10 min on 2 CPU cores
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml       # same, explicit
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml --restart   # start a new run instead of resuming
+    pyflyte run workflows/rlvr.py rlvr --set '["rollout.temperature=0.7", "training.lr=1e-5"]'   # overrides (one JSON list)
 
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
 weight sync -- each with its own resources and Ray cluster, in the order tasks/recipe.py

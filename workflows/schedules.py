@@ -1,6 +1,7 @@
 """Scheduled retraining: continue RL from the current champion, and promote the result only if it is better.
 
     pyflyte run workflows/schedules.py retrain --config configs/tiny.yaml --iterations 4     # locally, once
+    pyflyte run workflows/schedules.py retrain --set '["training.lr=1e-5"]'                  # with overrides
     pyflyte --pkgs workflows package --image IMAGE      # includes the nightly launch plan and its cron schedule
 
 `retrain` starts from the `champion` alias of the registered model `flyroll-policy` (or, when no
