@@ -145,16 +145,23 @@ def test_repeated_set_is_refused_not_dropped():
         _refuse_repeated_set(["pyflyte", "run", "workflows/rlvr.py", "rlvr", "--set", '["a=1"]', "--set=[\"b=2\"]"])
 
 
-@pytest.mark.parametrize("workflow", ["workflows/rlvr.py rlvr", "workflows/agentic.py agentic", "workflows/schedules.py retrain"])
-def test_pyflyte_set_unknown_key_is_refused_before_any_cluster(tmp_path, workflow):
-    """Every workflow hands its `set` input to prepare_run, which refuses the bad key first."""
+@pytest.mark.slow  # ~15-25 s each: pyflyte loads the workflow and runs prepare_run
+@pytest.mark.parametrize("workflow, item, needle", [
+    ("workflows/agentic.py agentic", "rollout.temprature=0.7", "rollout.temprature: unknown key"),
+    ("workflows/schedules.py retrain", "rollout.temprature=0.7", "rollout.temprature: unknown key"),
+    # before: every sample scored 0 (the error only in reward_error) and the run ended "complete"
+    ("workflows/rlvr.py rlvr", "reward.functions.arithmetic=nosuch_flyroll_module:fn",
+     "reward.functions.arithmetic: reward function 'nosuch_flyroll_module:fn' cannot be imported"),
+])
+def test_pyflyte_bad_set_is_refused_before_any_cluster(tmp_path, workflow, item, needle):
+    """Every workflow hands its `set` input to prepare_run, which refuses the bad setting first."""
     config = str(_config(tmp_path)) if "rlvr" in workflow else str(REPO / "configs/frozenlake.yaml")
     file, name = workflow.split()
-    proc = subprocess.run([PYFLYTE, "run", str(REPO / file), name, "--config", config, "--set", '["rollout.temprature=0.7"]'],
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / file), name, "--config", config, "--set", json.dumps([item])],
                           cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
+    out = " ".join((proc.stdout + proc.stderr).split())  # pyflyte's traceback box wraps long lines
     assert proc.returncode != 0
-    assert "rollout.temprature: unknown key" in out, out[-3000:]
+    assert needle in out, out[-3000:]
     assert "Started a local Ray instance" not in out and not (tmp_path / "runs" / "store").exists()
 
 
