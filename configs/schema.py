@@ -1,8 +1,9 @@
 """The one typed, validated flyroll config (pydantic). Every field says what it does and its trade-off.
 
-Load with `load_config(path_or_None)`: YAML preset -> `FlyrollConfig`; unknown keys, wrong types,
-out-of-range values and missing files fail here, naming the field, the value and what was expected,
-before any cluster starts.
+Load with `load_config(path_or_None, overrides)`: YAML preset (+ the command line's `--set` items)
+-> `FlyrollConfig`; unknown keys, wrong types, out-of-range values, missing files and reward
+functions that cannot be imported (configs/overrides.py) fail here, naming the field, the value and
+what was expected, before any cluster starts.
 """
 
 from __future__ import annotations
