@@ -1,8 +1,9 @@
 """The one typed, validated flyroll config (pydantic). Every field says what it does and its trade-off.
 
-Load with `load_config(path_or_None)`: YAML preset -> `FlyrollConfig`; unknown keys, wrong types,
-out-of-range values and missing files fail here, naming the field, the value and what was expected,
-before any cluster starts.
+Load with `load_config(path_or_None, overrides)`: YAML preset (+ the command line's `--set` items)
+-> `FlyrollConfig`; unknown keys, wrong types, out-of-range values, missing files and reward
+functions that cannot be imported (configs/overrides.py) fail here, naming the field, the value and
+what was expected, before any cluster starts.
 """
 
 from __future__ import annotations
@@ -507,8 +508,8 @@ def parse_config(data: dict, source: str = "<dict>") -> FlyrollConfig:
         raise ConfigError(_format_errors(e, source)) from None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None) -> FlyrollConfig:
-    """Read a YAML preset (default configs/tiny.yaml), apply dotted `overrides`, validate."""
+def load_config(path: str | os.PathLike | None = None, overrides: dict | list[str] | tuple[str, ...] | None = None) -> FlyrollConfig:
+    """Read a YAML preset (default configs/tiny.yaml), then `config_from` it with `overrides`."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist (expected a YAML preset such as configs/tiny.yaml)")
@@ -524,6 +525,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
                           "(or no config file at all, which means that one)")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return config_from(data, repr(str(path)), overrides)
+
+
+def config_from(data: dict, source: str, overrides: dict | list[str] | tuple[str, ...] | None = None) -> FlyrollConfig:
+    """Apply dotted `overrides` to the preset `data` ({key: value}, or the command line's
+    ["key=value", ...] with values read as YAML: configs/overrides.py), validate, and import every
+    reward function the config names (configs/overrides.py `check_functions`). `source` names the
+    preset in errors."""
+    from configs.overrides import OverrideError, check_functions, parse_overrides
+
+    if isinstance(overrides, (list, tuple)):
+        try:
+            overrides = parse_overrides(overrides)
+        except OverrideError as e:
+            raise ConfigError(str(e)) from None
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -534,4 +550,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
             if not isinstance(node, dict):
                 raise ConfigError(f"override {dotted!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
         node[leaf] = value
-    return parse_config(data, repr(str(path)))
+    if overrides:
+        source += " with --set " + " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in overrides.items())
+    cfg = parse_config(data, source)
+    unresolved = check_functions(cfg)
+    if unresolved:
+        raise ConfigError("\n".join([f"invalid config {source}:", *unresolved]))
+    return cfg

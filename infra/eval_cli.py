@@ -1,7 +1,7 @@
 """`flyroll eval`: greedy accuracy of a policy on an eval table, printed as one JSON object.
 
-    flyroll eval --model SPEC --data TABLE [--config YAML] [--max-new-tokens N] [--limit N] [--chat-template]
-                 [--stop TEXT ...] [--samples K [--temperature T] [--seed S]]
+    flyroll eval --model SPEC --data TABLE [--config YAML] [--set KEY=VALUE ...] [--max-new-tokens N] [--limit N]
+                 [--chat-template] [--stop TEXT ...] [--samples K [--temperature T] [--seed S]]
     flyroll eval --store ROOT --model KEY --data TABLE ...
 
 --model   the model specs `model.path` accepts: a local Hugging Face model directory;
@@ -19,6 +19,11 @@
 --config  a flyroll config whose `reward` section (functions, judge, reward_model, timeout_s) routes
           and scores the rows, as in training. Without it: the defaults (each row's
           metadata.reward_fn, else its domain).
+--set     KEY=VALUE, repeatable: overrides of --config (or of the schema's defaults without it), as the
+          workflows' `--set`; the value is read as YAML (0.7 -> float, true -> bool), e.g.
+          --set reward.functions.arithmetic=my_rewards:strict --set reward.timeout_s=30.
+          Every reward function the config names is imported before the model loads, with the working
+          directory on sys.path; one that cannot be is a config error (exit 2).
 
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
 correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
@@ -62,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="artifact store root (local path, file:// or s3://); --model is then a key")
     p.add_argument("--data", required=True, help=f"parquet / JSONL / CSV table with columns {', '.join(REQUIRED_COLUMNS)}, or {SYNTHETIC_EVAL!r}")
     p.add_argument("--config", default=None, help="flyroll config YAML whose reward section routes and scores the rows, as in training")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="override a config setting (repeatable; VALUE read as YAML), e.g. --set reward.timeout_s=30")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
     p.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
@@ -208,35 +215,31 @@ def _import_gguf(model: str, workdir: str) -> str:
         raise EvalError(f"--model {model!r}: cannot import {gguf} as a Hugging Face model ({type(e).__name__}: {e})") from e
 
 
-def reward_options(config: str | None) -> tuple[dict[str, str], dict[str, dict], float]:
-    """(routes, model reward options, timeout_s) of the `reward` section of `config` (defaults without one)."""
-    from configs.schema import ConfigError, load_config, parse_config
+def load_eval_config(config: str | None, overrides: list[str] | None = None):
+    """The config: `config` (else the schema's defaults) with the --set `overrides`, placement checked
+    and its reward functions imported (configs/schema.py `config_from`)."""
+    from configs.schema import ConfigError, config_from, load_config
     from infra.resources import check_placement
 
     try:
-        cfg = load_config(config) if config else parse_config({})
+        cfg = load_config(config, overrides) if config else config_from({}, "<defaults>", overrides)
         check_placement(cfg)
-        reward = cfg.reward
     except ConfigError as e:
-        raise EvalError(f"--config {config!r}: {e}") from e
+        raise EvalError(f"--config {config!r}: {e}" if config else str(e)) from e
+    return cfg
+
+
+def reward_options(cfg) -> tuple[dict[str, str], dict[str, dict], float]:
+    """(routes, model reward options, timeout_s) of the config's `reward` section."""
+    reward = cfg.reward
     return dict(reward.functions), {"judge": reward.judge.model_dump(), "reward_model": reward.reward_model.model_dump()}, reward.timeout_s
 
 
-def stop_strings(given: list[str] | None, config: str | None) -> tuple[str, ...]:
-    """--stop strings (escapes such as \\n decoded), else the config's rollout.stop, else none."""
+def stop_strings(given: list[str] | None, cfg) -> tuple[str, ...]:
+    """--stop strings (escapes such as \\n decoded), else the config's rollout.stop (none by default)."""
     if given is not None:
         return tuple(codecs.decode(s, "unicode_escape") for s in given)
-    if config is None:
-        return ()
-    from configs.schema import ConfigError, load_config
-    from infra.resources import check_placement
-
-    try:
-        cfg = load_config(config)
-        check_placement(cfg)
-        return tuple(cfg.rollout.stop)
-    except ConfigError as e:
-        raise EvalError(f"--config {config!r}: {e}") from e
+    return tuple(cfg.rollout.stop)
 
 
 # -- command -------------------------------------------------------------------------------------
@@ -260,9 +263,10 @@ def run_eval(args: argparse.Namespace) -> dict:
         table = table.head(args.limit)
     if len(table) == 0:
         raise EvalError(f"--data {args.data!r}: the table has no rows")
-    routes, models, timeout_s = reward_options(args.config)
+    cfg = load_eval_config(args.config, args.overrides)
+    routes, models, timeout_s = reward_options(cfg)
     set_torch_threads()  # as many as this process's cores, affinity and cgroup quota allow
-    stop = stop_strings(args.stop, args.config)
+    stop = stop_strings(args.stop, cfg)
     names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
              for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
     for domain, name in sorted(names):

@@ -36,10 +36,13 @@ PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", 
 
 
 @task(**task_resources("weight_sync"))
-def prepare_run(config: str, restart: bool) -> PrepareOut:
-    """Validate the config (fails here, before any cluster, naming field/value/expectation) and open
-    the MLflow parent run -- or find the run to resume (same name + config hash) unless `restart`."""
-    cfg = load_config(config or None)
+def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.List[str]] = None) -> PrepareOut:
+    """Validate the config with the command line's `overrides` ("key=value" items, `--set`), importing
+    every reward function it names (fails here, before any cluster, naming field/value/expectation),
+    print it, and open the MLflow parent run -- or find the run to resume (same name + config hash)
+    unless `restart`."""
+    cfg = load_config(config or None, list(overrides or []))
+    console.print(resolved_config(config, overrides, cfg))
     check_placement(cfg)
     check_remote_uris(cfg, os.environ)
     chash = cfg.hash()
@@ -81,6 +84,19 @@ def prepare_run(config: str, restart: bool) -> PrepareOut:
                              "threads": cfg.run.torch_threads,
                              **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
     return PrepareOut(spec, model_spec)
+
+
+def resolved_config(config: str, overrides: typing.Optional[typing.List[str]], cfg) -> str:
+    """The run's first lines: the preset, the overrides, and the settings that differ from the schema's
+    defaults after both (the whole resolved config is the MLflow run's params and config.json)."""
+    import yaml
+    from rich.markup import escape
+
+    head = f"[bold]config[/] {escape(config or 'configs/tiny.yaml (default)')}"
+    if overrides:
+        head += "  --set " + escape(" ".join(overrides))
+    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=True, default_flow_style=None)
+    return f"{head}\nresolved config (settings that differ from the defaults):\n{escape(body.rstrip())}"
 
 
 def check_remote_uris(cfg, env) -> None:

@@ -105,7 +105,7 @@ def test_the_run_entry_points_refuse_a_cuda_role_without_a_gpu_before_any_cluste
         resources.task_resources("reference")
     monkeypatch.delenv("FLYROLL_CONFIG")
     with pytest.raises(eval_cli.EvalError, match=expected):
-        eval_cli.stop_strings(None, str(path))
+        eval_cli.load_eval_config(str(path))
 
 
 @pytest.mark.parametrize("role", ["actor_train", "critic"])

@@ -37,6 +37,8 @@ def test_pyflyte_package_includes_the_retrain_launch_plan_with_its_cron_schedule
     assert lp.spec.entity_metadata.schedule.cron_schedule.schedule == "0 3 * * *"
     defaults = {k: v.default.scalar.primitive for k, v in lp.spec.default_inputs.parameters.items()}
     assert defaults["config"].string_value == "configs/tiny_s3.yaml" and defaults["iterations"].integer == 4
+    overrides = lp.spec.default_inputs.parameters["set"].default  # `--set`: no overrides unless a launch names some
+    assert overrides.HasField("collection") and len(overrides.collection.literals) == 0
 
 
 def _retrain(tmp, config, iterations: int) -> subprocess.CompletedProcess:

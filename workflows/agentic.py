@@ -95,9 +95,17 @@ def agentic_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset:
 
 
 @workflow
-def agentic(config: str = "configs/frozenlake.yaml", restart: bool = False) -> PolicyRef:
-    """Agentic RL run. config: a preset with an `env` section. restart: start a new run instead of resuming."""
-    spec, model_spec = prepare_run(config=config, restart=restart)
+def agentic(config: str = "configs/frozenlake.yaml", restart: bool = False,
+            set: typing.List[str] = []) -> PolicyRef:  # noqa: A002,B006
+    """Agentic RL run.
+
+    Args:
+        config: a YAML preset with an `env` section
+        restart: start a new run instead of resuming
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
+            e.g. '["env.max_turns=6", "rollout.temperature=0.7"]'
+    """
+    spec, model_spec = prepare_run(config=config, restart=restart, overrides=set)
     dataset = env_dataset(spec=spec)
     base = bootstrap_policy(model_spec=model_spec)
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base

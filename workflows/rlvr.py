@@ -3,6 +3,7 @@
     pyflyte run workflows/rlvr.py rlvr                                  # tiny default, ~10 min on 2 CPU cores
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml       # same, explicit
     pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml --restart   # start a new run instead of resuming
+    pyflyte run workflows/rlvr.py rlvr --set '["rollout.temperature=0.7", "training.lr=1e-5"]'   # overrides (one JSON list)
 
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
 weight sync -- each with its own resources and Ray cluster, in the order tasks/recipe.py
@@ -90,10 +91,16 @@ def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: Polic
 
 
 @workflow
-def rlvr(config: str = "", restart: bool = False) -> PolicyRef:
-    """RLVR run. config: path to a YAML preset (default: configs/tiny.yaml). restart: start a new run
-    instead of resuming the last one with the same name and config."""
-    spec, model_spec = prepare_run(config=config, restart=restart)
+def rlvr(config: str = "", restart: bool = False, set: typing.List[str] = []) -> PolicyRef:  # noqa: A002,B006
+    """RLVR run.
+
+    Args:
+        config: path to a YAML preset (default: configs/tiny.yaml)
+        restart: start a new run instead of resuming the last one with the same name and config
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
+            e.g. '["rollout.temperature=0.7", "training.lr=1e-5"]'
+    """
+    spec, model_spec = prepare_run(config=config, restart=restart, overrides=set)
     base = bootstrap_policy(model_spec=model_spec)
     dataset = make_dataset(spec=spec, base=base)  # prompts bounded by the policy's tokenizer and context
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base

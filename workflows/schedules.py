@@ -1,6 +1,7 @@
 """Scheduled retraining: continue RL from the current champion, and promote the result only if it is better.
 
     pyflyte run workflows/schedules.py retrain --config configs/tiny.yaml --iterations 4     # locally, once
+    pyflyte run workflows/schedules.py retrain --set '["training.lr=1e-5"]'                  # with overrides
     pyflyte --pkgs workflows package --image IMAGE      # includes the nightly launch plan and its cron schedule
 
 `retrain` starts from the `champion` alias of the registered model `flyroll-policy` (or, when no
@@ -109,10 +110,16 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
 
 
 @workflow
-def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
-    """Retrain from the champion. config: YAML preset (default configs/tiny.yaml); iterations: RL
-    iterations to run (0 = only re-evaluate the champion)."""
-    spec, model_spec = prepare_run(config=config, restart=True)          # always a new run
+def retrain(config: str = "", iterations: int = 4, set: typing.List[str] = []) -> RetrainOut:  # noqa: A002,B006
+    """Retrain from the champion.
+
+    Args:
+        config: YAML preset (default configs/tiny.yaml)
+        iterations: RL iterations to run (0 = only re-evaluate the champion)
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
+            e.g. '["training.lr=1e-5"]'
+    """
+    spec, model_spec = prepare_run(config=config, restart=True, overrides=set)  # always a new run
     start = current_champion(spec=spec, model_spec=model_spec)            # champion, else the base model
     dataset = make_dataset(spec=spec, base=start)                         # the config's dataset snapshot
     _, eval_every = loop_bounds(spec=spec)
@@ -126,6 +133,6 @@ def retrain(config: str = "", iterations: int = 4) -> RetrainOut:
 nightly_retrain = LaunchPlan.get_or_create(
     workflow=retrain,
     name="flyroll_nightly_retrain",
-    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4},
+    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4, "set": []},  # set: overrides, as for retrain
     schedule=CronSchedule(schedule="0 3 * * *"),
 )
