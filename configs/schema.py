@@ -34,8 +34,22 @@ class RunConfig(_Section):
     store_uri: str | None = Field(None, description="Artifact store root: a local path or s3://bucket/prefix (endpoint and credentials from AWS_* env vars). Default: <output_dir>/store.")
     tracking_uri: str | None = Field(None, description="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db.")
     experiment: str = Field("flyroll", description="MLflow experiment name.")
+    model_name: str | None = Field(None, min_length=1, description="MLflow registered model every published policy version joins (one per project on a shared MLflow server). Default: '<experiment>-policy' (flyroll-policy).")
+    champion_alias: str = Field("champion", pattern=r"^[A-Za-z0-9_-]+$", description="Alias of model_name that scheduled retraining (workflows/schedules.py) starts from and moves when a new policy beats it. Aliases belong to their registered model, so projects with their own model_name never share one. Letters, digits, '_' and '-'; not 'latest' (MLflow's own) nor v<N>.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per process (actor). 1 is fastest when several Ray actors share a small CPU box.")
     keep_trainer_states: int = Field(2, ge=1, le=100_000, description="How many of the newest published policy versions that hold their optimizer and objective state (trainer_state.pt; with checkpoint.optimizer_every > 1 not every version does) keep it; older ones keep weights, tokenizer and critic only (SmolLM2: 0.54 of 1.62 GB). A run resumes from its newest version; training from a version whose state was pruned starts the optimizer moments and LR schedule afresh.")
+
+    @property
+    def registered_model(self) -> str:
+        """The MLflow registered model of this run's policy versions: `model_name`, else '<experiment>-policy'."""
+        return self.model_name or f"{self.experiment}-policy"
+
+    @model_validator(mode="after")
+    def _alias(self) -> "RunConfig":
+        a = self.champion_alias
+        if a == "latest" or (a[:1] in "vV" and a[1:].isdigit()):
+            raise ValueError(f"run.champion_alias={a!r}: MLflow reserves 'latest' and v<N> (version references); choose another name")
+        return self
 
 
 class BootstrapConfig(_Section):

@@ -1,11 +1,13 @@
 """`flyroll lineage`: the chain of a policy version back to its base model, and the data it saw.
 
     flyroll lineage 12                               # MLflow model version 12 of flyroll-policy
+    flyroll lineage 12 --model acme-policy           # ... of another registered model (run.model_name)
     flyroll lineage runs/tiny-ac0eb5873272/policy/v0020   # an artifact-store key
     flyroll lineage 94c59585c8b141e6849553a32611d49b # an MLflow run id: its final policy
 
 Walks the manifests' `parents` in the artifact store (the source of truth; hashes included), and
-adds what MLflow knows about each version (model version, run, Flyte execution id).
+adds what MLflow knows about each version (model version, run, Flyte execution id), from the
+registered model each checkpoint's manifest names (`registered_model`), else `--model`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import sys
 
+from configs.schema import RunConfig
 from infra import tracking
 from infra.store import ArtifactStore, StoreError
 
@@ -27,15 +30,18 @@ def _default_tracking() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('runs/mlflow.db')}"
 
 
-def resolve_key(target: str, store: ArtifactStore, tracking_uri: str) -> str:
-    """A store key from a model version number, a run id or a key/URI."""
+DEFAULT_MODEL = RunConfig().registered_model   # flyroll-policy: the default config's
+
+
+def resolve_key(target: str, store: ArtifactStore, tracking_uri: str, model: str = DEFAULT_MODEL) -> str:
+    """A store key from a version number of registered model `model`, a run id or a key/URI."""
     if target.startswith(store.root):
         return target[len(store.root) :].lstrip("/")
     if "/" in target:
         return target
     c = tracking.client(tracking_uri)
     if target.isdigit():
-        mv = c.get_model_version(tracking.REGISTERED_MODEL, target)
+        mv = c.get_model_version(model, target)
         return mv.tags.get("flyroll.key") or mv.source[len(store.root) :].lstrip("/")
     run = c.get_run(target)
     key = run.data.tags.get("flyroll.final_policy")
@@ -57,9 +63,9 @@ def chain(key: str, store: ArtifactStore) -> list[dict]:
     return out
 
 
-def lineage(target: str, store_uri: str, tracking_uri: str) -> dict:
+def lineage(target: str, store_uri: str, tracking_uri: str, model: str = DEFAULT_MODEL) -> dict:
     store = ArtifactStore(store_uri)
-    key = resolve_key(target, store, tracking_uri)
+    key = resolve_key(target, store, tracking_uri, model)
     versions = chain(key, store)
     datasets = sorted({v["metadata"].get("dataset") for v in versions if v["metadata"].get("dataset")})
     data = []
@@ -72,12 +78,13 @@ def lineage(target: str, store_uri: str, tracking_uri: str) -> dict:
             data.append({"key": d, "error": str(e)})
     try:  # MLflow's view of each policy version
         c = tracking.client(tracking_uri)
-        by_source = {mv.source: mv for mv in c.search_model_versions(f"name='{tracking.REGISTERED_MODEL}'")}
+        names = {v["metadata"].get("registered_model") or model for v in versions if v["kind"] == "checkpoint"}
+        by_source = {mv.source: mv for name in sorted(names) for mv in c.search_model_versions(f"name='{name}'")}
         for v in versions:
             mv = by_source.get(store.uri(v["key"]))
             if mv is not None:
-                mv = c.get_model_version(tracking.REGISTERED_MODEL, mv.version)  # search results carry no aliases
-                v["mlflow"] = {"model_version": mv.version, "run_id": mv.run_id, "aliases": list(mv.aliases or []),
+                mv = c.get_model_version(mv.name, mv.version)  # search results carry no aliases
+                v["mlflow"] = {"registered_model": mv.name, "model_version": mv.version, "run_id": mv.run_id, "aliases": list(mv.aliases or []),
                                "flyte_execution_id": mv.tags.get("flyte.execution_id")}
     except Exception as e:  # noqa: BLE001 -- lineage from the store alone is still complete
         versions[0]["mlflow_error"] = str(e)
@@ -89,12 +96,14 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("target", help="MLflow model version number, MLflow run id, or artifact-store key")
     p.add_argument("--store", default=_default_store(), help="artifact store root (default $FLYROLL_STORE_URI or ./runs/store)")
     p.add_argument("--tracking-uri", default=_default_tracking(), help="MLflow URI (default $MLFLOW_TRACKING_URI or ./runs/mlflow.db)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"registered model a version number refers to, and of checkpoints whose manifest names none (default {DEFAULT_MODEL}; a config's run.model_name)")
     p.add_argument("--json", action="store_true", help="print the whole record as JSON")
     args = p.parse_args(argv)
     from mlflow.exceptions import MlflowException
 
     try:
-        rec = lineage(args.target, args.store, args.tracking_uri)
+        rec = lineage(args.target, args.store, args.tracking_uri, args.model)
     except (StoreError, ValueError, MlflowException) as e:
         print(f"flyroll lineage: {e}", file=sys.stderr)
         return 2
@@ -103,7 +112,7 @@ def cli_main(argv: list[str]) -> int:
         return 0
     for i, v in enumerate(rec["chain"]):
         mv = v.get("mlflow", {})
-        tag = f"  (MLflow model version {mv['model_version']}, run {mv['run_id'][:8]})" if mv else ""
+        tag = f"  (MLflow model version {mv['model_version']} of {mv['registered_model']}, run {mv['run_id'][:8]})" if mv else ""
         it = v["metadata"].get("iteration")
         print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{f', iteration {it}' if it is not None else ''}]{tag}")
     for d in rec["datasets"]:

@@ -27,9 +27,6 @@ import socket
 import threading
 import time
 
-REGISTERED_MODEL = "flyroll-policy"
-
-
 def resolve_tracking_uri(configured: str | None, output_dir: str) -> str:
     if configured:
         return configured
@@ -326,60 +323,61 @@ def log_text(tracking_uri: str, run_id: str, text: str, artifact_file: str) -> N
     client(tracking_uri).log_text(run_id, text, artifact_file)
 
 
-def find_model_version(tracking_uri: str, key: str):
-    """The `flyroll-policy` version registered for artifact-store key `key` (tag flyroll.key), or None."""
-    found = client(tracking_uri).search_model_versions(f"name='{REGISTERED_MODEL}' and tags.`flyroll.key` = '{key}'")
+def find_model_version(tracking_uri: str, model: str, key: str):
+    """The version of registered model `model` registered for artifact-store key `key` (tag flyroll.key), or None."""
+    found = client(tracking_uri).search_model_versions(f"name='{model}' and tags.`flyroll.key` = '{key}'")
     return min(found, key=lambda mv: int(mv.version)) if found else None
 
 
-def register_policy(tracking_uri: str, run_id: str, source_uri: str, key: str, tags: dict[str, str]) -> str:
-    """Register checkpoint `key` (at `source_uri`) as a version of the `flyroll-policy` model, or find
+def register_policy(tracking_uri: str, model: str, run_id: str, source_uri: str, key: str, tags: dict[str, str]) -> str:
+    """Register checkpoint `key` (at `source_uri`) as a version of registered model `model` (the
+    config's `run.registered_model`, default flyroll-policy), or find
     the version already registered for it (a retried or resumed weight sync); sets `tags` either way.
     Returns the version number.
 
-    Aliases: MLflow reserves `latest` (`models:/flyroll-policy/latest` resolves to the newest version
-    by itself and cannot be set); `champion` is set only by `set_alias` from the retraining workflow's
-    promotion step. Aliases cannot hold '/', so the run a version belongs to is a tag (flyroll.run_id)."""
+    Aliases: MLflow reserves `latest` (`models:/<model>/latest` resolves to the newest version by
+    itself and cannot be set); the champion alias (`run.champion_alias`) is set only by `set_alias`
+    from the retraining workflow's promotion step. Aliases cannot hold '/', so the run a version belongs to is a tag (flyroll.run_id)."""
     from mlflow.exceptions import MlflowException
 
     c = client(tracking_uri)
     try:
-        c.create_registered_model(REGISTERED_MODEL, description="Policies published by flyroll runs (weight_sync stage).")
+        c.create_registered_model(model, description="Policies published by flyroll runs (weight_sync stage).")
     except MlflowException:
         pass  # already exists
     tags = {**tags, "flyroll.key": key}
-    mv = find_model_version(tracking_uri, key)
+    mv = find_model_version(tracking_uri, model, key)
     if mv is None:
-        mv = c.create_model_version(REGISTERED_MODEL, source=source_uri, run_id=run_id, tags=tags)
+        mv = c.create_model_version(model, source=source_uri, run_id=run_id, tags=tags)
     else:
-        set_model_version_tags(tracking_uri, str(mv.version), tags)
+        set_model_version_tags(tracking_uri, model, str(mv.version), tags)
     return str(mv.version)
 
 
-def set_model_version_tags(tracking_uri: str, version: str, tags: dict[str, str]) -> None:
+def set_model_version_tags(tracking_uri: str, model: str, version: str, tags: dict[str, str]) -> None:
     c = client(tracking_uri)
     for k, v in tags.items():
-        c.set_model_version_tag(REGISTERED_MODEL, version, k, str(v))
+        c.set_model_version_tag(model, version, k, str(v))
 
 
-def model_version(tracking_uri: str, version: str):
-    return client(tracking_uri).get_model_version(REGISTERED_MODEL, version)
+def model_version(tracking_uri: str, model: str, version: str):
+    return client(tracking_uri).get_model_version(model, version)
 
 
-def alias_version(tracking_uri: str, alias: str):
-    """The model version behind `alias` of `flyroll-policy`, or None (no model, or no such alias)."""
+def alias_version(tracking_uri: str, model: str, alias: str):
+    """The version of registered model `model` behind `alias`, or None (no model, or no such alias)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return client(tracking_uri).get_model_version_by_alias(REGISTERED_MODEL, alias)
+        return client(tracking_uri).get_model_version_by_alias(model, alias)
     except MlflowException:
         return None
 
 
-def set_alias(tracking_uri: str, alias: str, version: str) -> None:
+def set_alias(tracking_uri: str, model: str, alias: str, version: str) -> None:
     if alias == "latest":
-        raise ValueError("the alias 'latest' is reserved by MLflow: models:/flyroll-policy/latest already is the newest version")
-    client(tracking_uri).set_registered_model_alias(REGISTERED_MODEL, alias, version)
+        raise ValueError(f"the alias 'latest' is reserved by MLflow: models:/{model}/latest already is the newest version")
+    client(tracking_uri).set_registered_model_alias(model, alias, version)
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:

@@ -67,7 +67,8 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
     for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
         console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
-    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id()}
+    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id(),
+            "flyroll.registered_model": cfg.run.registered_model}
     if mlflow_run is None:
         # a local SQLite store keeps its artifacts in the run folder too (MLflow's default is ./mlruns)
         artifacts = os.path.join(out_dir, "mlartifacts") if tracking_uri.startswith("sqlite:") else None

@@ -45,7 +45,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
             "flyroll.dataset": dataset.train_key, "flyroll.eval_dataset": dataset.eval_key, "flyroll.rollout_table": rollouts,
             "flyte.execution_id": execution_id(), "flyroll.child_run_id": child,
         }
-        version = tracking.register_policy(spec.tracking_uri, spec.mlflow_run_id, store.uri(key), key, lineage)
+        version = tracking.register_policy(spec.tracking_uri, config_of(spec).run.registered_model, spec.mlflow_run_id, store.uri(key), key, lineage)
         every = config_of(spec).checkpoint.optimizer_every
         deferred = {} if os.path.exists(os.path.join(local, TRAINER_STATE)) else \
             {DEFERRED: f"checkpoint.optimizer_every={every}: kept by the training actor"}  # tasks/replay.py
@@ -53,6 +53,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
                                  execution_id=execution_id(),
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
                                            "rollout_table": rollouts, "model_version": version,
+                                           "registered_model": config_of(spec).run.registered_model,
                                            "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child,
                                            "weight_sync_started": started, **deferred})
         prune_trainer_states(store, spec, iteration, config_of(spec).run.keep_trainer_states)

@@ -118,7 +118,7 @@ def test_retrain_keeps_the_champion_when_not_better(first_run):
     c = _client(tmp)
     from infra import tracking
 
-    champion = tracking.alias_version(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}", "champion")  # from the test above
+    champion = tracking.alias_version(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}", "flyroll-policy", "champion")  # from the test above
     if champion is None:  # this test alone: the first run's last policy
         champion = [v for v in c.search_model_versions("name='flyroll-policy'") if v.tags["flyroll.iteration"] == "2"][0]
         c.set_registered_model_alias("flyroll-policy", "champion", champion.version)

@@ -2,9 +2,10 @@
 
     pyflyte run workflows/schedules.py retrain --config configs/tiny.yaml --iterations 4     # locally, once
     pyflyte run workflows/schedules.py retrain --set '["training.lr=1e-5"]'                  # with overrides
-    pyflyte --pkgs workflows package --image IMAGE      # includes the nightly launch plan and its cron schedule
+    pyflyte --pkgs workflows package      # includes the nightly launch plan and its cron schedule (docs/cluster.md)
 
-`retrain` starts from the `champion` alias of the registered model `flyroll-policy` (or, when no
+`retrain` starts from the champion alias (`run.champion_alias`, default `champion`) of the config's
+registered model (`run.model_name`, default `<run.experiment>-policy` = flyroll-policy) (or, when no
 version holds it yet, from the config's model, bootstrapped if need be), takes the dataset snapshot
 of the config's data section, runs N RL iterations with the same building blocks as
 `workflows/rlvr.py` (KL reference = the champion), evaluates greedily on the fixed eval split, and
@@ -18,26 +19,33 @@ Every retrain is a new run (`<run.name>-<config hash>-<timestamp>`): its policy 
 `runs/<that id>/policy/`, and their manifests' parents lead back through the champion's own run to
 the base model (`flyroll lineage`). A killed retrain is not resumed; the next one starts over from
 the champion, which a failed retrain never moves.
+
+`retrain_plan(name, config, cron)` makes a scheduled launch plan of `retrain` for any preset; the
+nightly one below is made with it, and a project's own module in the registered packages can add
+more (docs/cluster.md).
 """
 
 from __future__ import annotations
 
 import typing
 import warnings
+from pathlib import Path
 
 from flytekit import CronSchedule, LaunchPlan, task, workflow
 
+from configs.schema import load_config
+
 from infra import tracking
 from infra.resources import task_resources
-from tasks.common import console, store_of
+from tasks.common import config_of, console, store_of
 from tasks.evaluation import finalize
 from tasks.prepare import build_base_policy, loop_bounds, make_dataset, prepare_run
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from workflows.rlvr import rl_loop
 
-warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
+ROOT = Path(__file__).resolve().parents[1]   # the code's root: relative presets are read from here, as in the task image
 
-CHAMPION = "champion"
+warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
 
 Decision = typing.NamedTuple("Decision", [("trained", PolicyRef), ("champion", PolicyRef), ("promoted", bool)])
 RetrainOut = typing.NamedTuple("RetrainOut", [("policy", PolicyRef), ("champion", PolicyRef), ("promoted", bool)])
@@ -45,21 +53,22 @@ RetrainOut = typing.NamedTuple("RetrainOut", [("policy", PolicyRef), ("champion"
 
 @task(**task_resources("weight_sync"))
 def current_champion(spec: RunSpec, model_spec: str) -> PolicyRef:
-    """The policy `champion` points at (as version 0 of this run), or the config's base model when no
-    version holds the alias. The champion must live in this run's artifact store."""
+    """The policy the champion alias points at (as version 0 of this run), or the config's base model
+    when no version holds the alias. The champion must live in this run's artifact store."""
     store = store_of(spec)
-    mv = tracking.alias_version(spec.tracking_uri, CHAMPION)
+    model, alias = config_of(spec).run.registered_model, config_of(spec).run.champion_alias
+    mv = tracking.alias_version(spec.tracking_uri, model, alias)
     if mv is None:
         start = build_base_policy(model_spec)
-        console.print(f"[bold]retrain[/] no {CHAMPION} yet: starting from the config's model {start.key}")
+        console.print(f"[bold]retrain[/] no {alias} of {model} yet: starting from the config's model {start.key}")
     else:
         key = mv.tags.get("flyroll.key") or ""
         if not key or mv.source != store.uri(key):
-            raise ValueError(f"{CHAMPION} = {tracking.REGISTERED_MODEL} version {mv.version} at {mv.source} is not in this "
+            raise ValueError(f"{alias} = {model} version {mv.version} at {mv.source} is not in this "
                              f"run's artifact store {store.root}; set run.store_uri to the store it was published to")
         store.manifest(key)  # ArtifactNotFound names the URI when the checkpoint is gone
         start = PolicyRef(key=key, version=0, model_version=str(mv.version))
-        console.print(f"[bold]retrain[/] from {CHAMPION}: model version {mv.version} ({key})")
+        console.print(f"[bold]retrain[/] from {alias}: model version {mv.version} of {model} ({key})")
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {
         "flyroll.workflow": "retrain", "flyroll.retrain.start": start.key,
         "flyroll.retrain.champion_before": start.model_version})
@@ -75,11 +84,12 @@ def _measured_at_start(spec: RunSpec) -> float | None:
 
 @task(**task_resources("weight_sync"))
 def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: PolicyRef, dataset: DatasetRef) -> Decision:
-    """Move `champion` to `trained` iff its eval accuracy beats the champion's score; record both scores."""
+    """Move the champion alias to `trained` iff its eval accuracy beats the champion's score; record both scores."""
+    model, alias = config_of(spec).run.registered_model, config_of(spec).run.champion_alias
     measured = _measured_at_start(spec)
     recorded = None
     if champion.model_version:
-        tags = tracking.model_version(spec.tracking_uri, champion.model_version).tags
+        tags = tracking.model_version(spec.tracking_uri, model, champion.model_version).tags
         if tags.get("flyroll.eval_accuracy") and tags.get("flyroll.eval_dataset") == dataset.eval_key:
             recorded = float(tags["flyroll.eval_accuracy"])
     score, source = (recorded, "recorded") if recorded is not None else (measured, "measured at iteration 0")
@@ -92,9 +102,9 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
               "flyroll.champion_eval_accuracy": f"{score:.6g}", "flyroll.champion_score_source": source,
               "flyroll.champion_model_version": champion.model_version, "flyroll.promoted": str(promoted).lower()}
     if new:
-        tracking.set_model_version_tags(spec.tracking_uri, trained.model_version, scores)
+        tracking.set_model_version_tags(spec.tracking_uri, model, trained.model_version, scores)
     if promoted:
-        tracking.set_alias(spec.tracking_uri, CHAMPION, trained.model_version)
+        tracking.set_alias(spec.tracking_uri, model, alias, trained.model_version)
     after = trained if promoted else champion
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {
         "flyroll.retrain.candidate_accuracy": f"{accuracy:.6g}", "flyroll.retrain.champion_accuracy": f"{score:.6g}",
@@ -103,8 +113,8 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
         "flyroll.retrain.candidate": trained.key, "flyroll.retrain.candidate_model_version": trained.model_version,
         "flyroll.retrain.decision": "promoted" if promoted else "kept",
         "flyroll.retrain.champion_after": after.model_version})
-    verdict = (f"[bold green]promoted[/] model version {trained.model_version} to {CHAMPION}" if promoted
-               else f"[bold yellow]kept[/] {CHAMPION} {champion.model_version or '(none: base model)'}")
+    verdict = (f"[bold green]promoted[/] model version {trained.model_version} to {alias}" if promoted
+               else f"[bold yellow]kept[/] {alias} {champion.model_version or '(none: base model)'}")
     console.print(f"retrain: eval/accuracy {accuracy:.3f} vs champion {score:.3f} ({source}) → {verdict}")
     return Decision(trained=trained, champion=after, promoted=promoted)
 
@@ -129,10 +139,19 @@ def retrain(config: str = "", iterations: int = 4, set: typing.List[str] = []) -
     return RetrainOut(policy=final, champion=decision.champion, promoted=decision.promoted)
 
 
+def retrain_plan(name: str, config: str, cron: str, iterations: int = 4, overrides: typing.Sequence[str] = ()) -> LaunchPlan:
+    """A launch plan `name` that runs `retrain` with preset `config` (a path relative to the code's
+    root in the task image, as `pyflyte run --config` takes it) and `overrides` ("dotted.key=value"
+    items, as `--set` takes them) on the cron schedule `cron` (UTC; five fields or @daily-style). The
+    preset and overrides are loaded here, so a missing file or a bad field fails the package or
+    register command, not the first scheduled run. Each project on one MLflow server gives its
+    preset its own run.model_name (or run.experiment), so its champion is its own."""
+    if iterations < 0:
+        raise ValueError(f"retrain_plan {name!r}: iterations={iterations}; expected 0 or more")
+    load_config(ROOT / config, list(overrides))   # an absolute path stays as it is
+    return LaunchPlan.get_or_create(workflow=retrain, name=name, schedule=CronSchedule(schedule=cron),
+                                    default_inputs={"config": config, "iterations": iterations, "set": list(overrides)})
+
+
 # Nightly at 03:00 UTC against the shared stack (configs/tiny_s3.yaml: S3 store, MLflow server from env).
-nightly_retrain = LaunchPlan.get_or_create(
-    workflow=retrain,
-    name="flyroll_nightly_retrain",
-    default_inputs={"config": "configs/tiny_s3.yaml", "iterations": 4, "set": []},  # set: overrides, as for retrain
-    schedule=CronSchedule(schedule="0 3 * * *"),
-)
+nightly_retrain = retrain_plan("flyroll_nightly_retrain", "configs/tiny_s3.yaml", "0 3 * * *")
