@@ -1,4 +1,4 @@
-"""Compute per role, declared once: Flyte `Resources`, accelerator, Ray cluster spec, actor options.
+"""Compute per role, declared once: Flyte `Resources`, accelerator, task image (infra/images.py), Ray cluster spec, actor options.
 
 Tasks import these by role. The profile is chosen when the workflow module is imported
 (`FLYROLL_PROFILE=cpu|gpu`, default cpu) so `pyflyte package` compiles the resources into the
@@ -34,6 +34,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from configs.schema import ConfigError, load_config
 from engines.devices import resolve_device
+from infra.images import image_spec
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
 
@@ -110,7 +111,7 @@ def task_resources(name: str) -> dict:
 
 def _profile_task_resources(name: str) -> dict:
     spec = role(name)
-    kw = {"requests": spec.requests, "limits": spec.limits}
+    kw = {"requests": spec.requests, "limits": spec.limits, "container_image": image_spec(profile())}
     if spec.accelerator is not None:
         kw["accelerator"] = spec.accelerator
     return kw
@@ -294,7 +295,7 @@ def task_resources_for(cfg, task: str) -> dict:
     pod = role(task).requests
     cpu, mem = max(cpu, float(pod.cpu)), max(mem, _gi(pod.mem))
     res = Resources(cpu=f"{cpu:g}", mem=f"{mem:g}Gi", gpu=str(math.ceil(gpu)) if gpu else None)
-    kw = {"requests": res, "limits": res}
+    kw = {"requests": res, "limits": res, "container_image": image_spec(profile())}
     if gpu:
         kw["accelerator"] = role(task).accelerator or A100
     return kw

@@ -1,6 +1,6 @@
-"""Scheduled retraining: the launch plan and its cron schedule in `pyflyte package`, and the `retrain`
-workflow run locally through `pyflyte run`, promoting the champion when the new policy is better and
-keeping it when not.
+"""Scheduled retraining: the `retrain` workflow run locally through `pyflyte run`, promoting the
+champion when the new policy is better and keeping it when not. (The launch plans in `pyflyte
+package`: tests/test_cluster.py.)
 
 The slow tests share one rlvr e2e run (local store, SQLite MLflow) whose last policy becomes the
 champion; its recorded score (tag flyroll.eval_accuracy on the model version) is set below anything
@@ -11,34 +11,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tarfile
 import time
 
 import pytest
 
 from tests.support.workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
-
-
-def test_pyflyte_package_includes_the_retrain_launch_plan_with_its_cron_schedule(tmp_path):
-    from flyteidl.admin import launch_plan_pb2
-
-    out = tmp_path / "flyte-package.tgz"
-    proc = subprocess.run([PYFLYTE, "--pkgs", "workflows", "package", "--image", "flyroll:test", "-f", "--output", str(out)],
-                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with tarfile.open(out) as tar:
-        names = tar.getnames()
-        assert any("workflows.schedules.retrain_2.pb" in n for n in names), names  # the workflow itself
-        (lp_name,) = [n for n in names if n.endswith("_flyroll_nightly_retrain_3.pb")]
-        lp = launch_plan_pb2.LaunchPlan()
-        lp.ParseFromString(tar.extractfile(lp_name).read())
-    assert lp.id.name == "flyroll_nightly_retrain"
-    assert lp.spec.workflow_id.name == "workflows.schedules.retrain"
-    assert lp.spec.entity_metadata.schedule.cron_schedule.schedule == "0 3 * * *"
-    defaults = {k: v.default.scalar.primitive for k, v in lp.spec.default_inputs.parameters.items()}
-    assert defaults["config"].string_value == "configs/tiny_s3.yaml" and defaults["iterations"].integer == 4
-    overrides = lp.spec.default_inputs.parameters["set"].default  # `--set`: no overrides unless a launch names some
-    assert overrides.HasField("collection") and len(overrides.collection.literals) == 0
 
 
 def _retrain(tmp, config, iterations: int) -> subprocess.CompletedProcess:
