@@ -149,3 +149,41 @@ def test_registered_model_and_champion_alias_come_from_the_config():
             parse_config({"run": {"champion_alias": bad}})
     with pytest.raises(ConfigError, match="run.model_name"):
         parse_config({"run": {"model_name": ""}})
+
+
+def test_two_projects_on_one_mlflow_keep_their_own_model_and_champion(tmp_path):
+    """Policy versions and the champion alias of one project's model leave the other's alone (real
+    MLflow, SQLite store)."""
+    from configs.schema import parse_config
+    from infra import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    versions = {}
+    for experiment in ("flyroll", "acme"):
+        run_cfg = parse_config({"run": {"experiment": experiment}}).run
+        run_id = tracking.start_parent_run(uri, experiment, "r", {}, {}, artifact_location=str(tmp_path / "art"))
+        key = f"runs/{experiment}/policy/v0001"
+        versions[experiment] = tracking.register_policy(uri, run_cfg.registered_model, run_id, f"file:///store/{key}", key, {})
+        assert tracking.register_policy(uri, run_cfg.registered_model, run_id, f"file:///store/{key}", key, {}) == versions[experiment]
+        tracking.set_alias(uri, run_cfg.registered_model, run_cfg.champion_alias, versions[experiment])
+    c = tracking.client(uri)
+    assert {m.name for m in c.search_registered_models()} == {"flyroll-policy", "acme-policy"}
+    for experiment, model in (("flyroll", "flyroll-policy"), ("acme", "acme-policy")):
+        champion = tracking.alias_version(uri, model, "champion")
+        assert champion.tags["flyroll.key"] == f"runs/{experiment}/policy/v0001"
+        assert tracking.find_model_version(uri, model, f"runs/{experiment}/policy/v0001").version == champion.version
+    assert tracking.find_model_version(uri, "acme-policy", "runs/flyroll/policy/v0001") is None
+    with pytest.raises(ValueError, match="models:/acme-policy/latest"):
+        tracking.set_alias(uri, "acme-policy", "latest", versions["acme"])
+
+
+def test_retrain_plan_refuses_a_bad_preset_cron_or_iteration_count():
+    from configs.schema import ConfigError
+    from workflows.schedules import retrain_plan
+
+    with pytest.raises(ConfigError, match="configs/nope.yaml' does not exist"):
+        retrain_plan("bad_preset", "configs/nope.yaml", "0 3 * * *")
+    with pytest.raises(ValueError, match="Schedule is invalid"):
+        retrain_plan("bad_cron", "configs/tiny.yaml", "61 3 * * *")
+    with pytest.raises(ValueError, match="iterations=-1"):
+        retrain_plan("bad_iterations", "configs/tiny.yaml", "0 3 * * *", iterations=-1)
