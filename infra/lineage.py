@@ -134,7 +134,7 @@ def summary_rows(rec: dict, config_hash: str) -> list[tuple[str, str]]:
     shown = keys if len(keys) <= CHAIN_SHOWN else [*keys[:CHAIN_SHOWN - 1], f"… {len(keys) - CHAIN_SHOWN} more …", keys[-1]]
     data = [f"{d['key']} ({d['rows']} rows)" if d.get("rows") is not None else d["key"] for d in rec["datasets"]]
     return [("final policy", rec["policy"]),
-            ("model version", f"flyroll-policy v{mv['model_version']}" if mv else "not registered"),
+            ("model version", f"{mv['registered_model']} v{mv['model_version']}" if mv else "not registered"),
             ("base model", rec["base_model"]),
             ("dataset", "; ".join(data) or "none recorded"),
             ("config hash", config_hash),

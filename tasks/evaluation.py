@@ -90,7 +90,8 @@ def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: p
     exp_id = c.get_run(spec.mlflow_run_id).info.experiment_id
     key_charts = lineage.key_charts(history, KEY_METRICS, exp_id, spec.mlflow_run_id)
     summary.update({k: gain for k, gain, _ in key_charts})
-    rows = lineage.summary_rows(lineage.lineage(policy.key, spec.store_uri, spec.tracking_uri), spec.config_hash)
+    rows = lineage.summary_rows(lineage.lineage(policy.key, spec.store_uri, spec.tracking_uri, config_of(spec).run.registered_model),
+                                spec.config_hash)
     html = decks.report_html(title=f"flyroll {spec.run_id}", history=history, samples=samples if len(samples) else None,
                              timings=timings, summary=summary, lineage=rows)
     decks.publish_deck("flyroll report", html)

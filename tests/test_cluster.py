@@ -44,7 +44,8 @@ main()
 OTHER_PROJECT = """
 from workflows.schedules import retrain_plan
 
-weekly = retrain_plan("acme_weekly_retrain", "configs/gspo.yaml", "30 4 * * 1", iterations=2)
+weekly = retrain_plan("acme_weekly_retrain", "configs/gspo.yaml", "30 4 * * 1", iterations=2,
+                      overrides=["run.experiment=acme", "training.lr=2e-5"])
 """
 
 
@@ -75,6 +76,12 @@ def _launch_plan(files: dict, name: str):
     return lp
 
 
+def _overrides(lp) -> list[str]:
+    default = lp.spec.default_inputs.parameters["set"].default
+    assert default.HasField("collection")
+    return [item.scalar.primitive.string_value for item in default.collection.literals]
+
+
 def _task_images(files: dict) -> dict[str, str]:
     from flyteidl.admin import task_pb2
 
@@ -95,12 +102,14 @@ def test_package_holds_the_scheduled_plans_and_every_task_names_the_cpu_image(tm
     assert nightly.spec.entity_metadata.schedule.cron_schedule.schedule == "0 3 * * *"
     d = {k: v.default.scalar.primitive for k, v in nightly.spec.default_inputs.parameters.items()}
     assert d["config"].string_value == "configs/tiny_s3.yaml" and d["iterations"].integer == 4
+    assert _overrides(nightly) == []   # `--set`: none unless a launch names some
 
     weekly = _launch_plan(files, "acme_weekly_retrain")   # made by the factory in another package
     assert weekly.spec.workflow_id.name == "workflows.schedules.retrain"
     assert weekly.spec.entity_metadata.schedule.cron_schedule.schedule == "30 4 * * 1"
     d = {k: v.default.scalar.primitive for k, v in weekly.spec.default_inputs.parameters.items()}
     assert d["config"].string_value == "configs/gspo.yaml" and d["iterations"].integer == 2
+    assert _overrides(weekly) == ["run.experiment=acme", "training.lr=2e-5"]
 
     (spec,) = {json.dumps(a, sort_keys=True) for a in asked}   # one image asked for, however many tasks
     spec = json.loads(spec)
@@ -177,7 +186,7 @@ def test_two_projects_on_one_mlflow_keep_their_own_model_and_champion(tmp_path):
         tracking.set_alias(uri, "acme-policy", "latest", versions["acme"])
 
 
-def test_retrain_plan_refuses_a_bad_preset_cron_or_iteration_count():
+def test_retrain_plan_refuses_a_bad_preset_cron_override_or_iteration_count():
     from configs.schema import ConfigError
     from workflows.schedules import retrain_plan
 
@@ -187,3 +196,5 @@ def test_retrain_plan_refuses_a_bad_preset_cron_or_iteration_count():
         retrain_plan("bad_cron", "configs/tiny.yaml", "61 3 * * *")
     with pytest.raises(ValueError, match="iterations=-1"):
         retrain_plan("bad_iterations", "configs/tiny.yaml", "0 3 * * *", iterations=-1)
+    with pytest.raises(ConfigError, match="run.champion_alias"):
+        retrain_plan("bad_override", "configs/tiny.yaml", "0 3 * * *", overrides=["run.champion_alias=latest"])
