@@ -130,6 +130,13 @@ def test_appended_rows_make_a_new_dataset_version_with_its_fingerprint(tmp_path,
     assert any("data.eval_size=16 asked" in n for n in meta["eval_split_notes"])   # e2e.yaml's 16 > 20 % of 50
 
 
+def test_make_dataset_refuses_a_file_whose_eval_split_leaves_less_than_one_batch(tmp_path, tiny_model_dir, monkeypatch):
+    uri = _prompts_file(tmp_path, _rows(30))
+    with pytest.raises(ValueError, match=r"data\.sources file '.*prompts\.jsonl': 30 rows; holding out \d+ for eval "
+                                         r"\(asked data\.eval_size=16.*rollout\.prompts_per_iteration=32"):
+        _dataset(tmp_path, tiny_model_dir, monkeypatch, {"sources": [{"kind": "file", "uri": uri}]}, {"prompts_per_iteration": 32})
+
+
 def test_a_resaved_model_folder_changes_the_imported_model(tmp_path, tiny_model_dir, monkeypatch):
     import shutil
 
@@ -153,3 +160,36 @@ def test_a_resaved_model_folder_changes_the_imported_model(tmp_path, tiny_model_
 
     meta = ArtifactStore(json.loads(spec2)["store_uri"]).manifest(key2).metadata
     assert meta["fingerprint"] == json.loads(spec2)["model_fingerprints"]["path"]
+
+
+# --- the scheduled retrain, end to end ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_retrain_after_appending_rows_trains_on_the_new_dataset_version(tmp_path, tiny_model_dir, monkeypatch):
+    """Was: the retrain found the snapshot keyed by the data settings alone and trained on the old rows.
+    The first snapshot is built in-process (tasks/prepare.py, as the first run's make_dataset would);
+    then rows are appended and the `retrain` workflow runs through `pyflyte run`."""
+    from infra.lineage import lineage
+    from infra.store import ArtifactStore
+    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tests.support.workflow import _env
+    from tests.test_schedules import _client, _retrain, _retrain_run
+
+    uri = _prompts_file(tmp_path, _rows(40, domain="arithmetic"))   # e2e.yaml's test reward for 'arithmetic'
+    config = _config(tmp_path, {"sources": [{"kind": "file", "uri": uri}]}, path=tiny_model_dir)  # runs/ in tmp_path
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", _env(tmp_path)["FLYROLL_CACHE_DIR"])  # the pyflyte run's
+    spec, model_spec = prepare_run(config=config, restart=True)
+    before = make_dataset(spec=spec, base=build_base_policy(model_spec))
+
+    _append(uri, _rows(60, domain="arithmetic")[40:])
+    proc = _retrain(tmp_path, config, 1)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    run = _retrain_run(_client(tmp_path), 0)
+    used = run.data.tags["flyroll.dataset.train"]
+    assert used != before.train_key
+    store = ArtifactStore(spec.store_uri)
+    digest = store.manifest(used).metadata["inputs"][uri]["digest"]
+    assert json.loads(run.data.tags["flyroll.dataset.inputs"]) == {uri: digest}
+    assert digest != store.manifest(before.train_key).metadata["inputs"][uri]["digest"]
+    record = lineage(run.data.tags["flyroll.final_policy"], spec.store_uri, spec.tracking_uri)
+    assert {d["key"]: d["inputs"] for d in record["datasets"]} == {used: {uri: digest}}
