@@ -256,8 +256,8 @@ def data_fingerprints(sources) -> dict[str, dict]:
 def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
     config, the fingerprints of the files it reads, and the policy, whose tokenizer and context bound
-    the prompts). Bad rows of user files are
-    skipped, prompts over data.max_prompt_tokens dropped or truncated; counts and reasons go to MLflow."""
+    the prompts). Bad rows of user files are skipped, prompts over data.max_prompt_tokens dropped or
+    truncated; counts and reasons go to MLflow."""
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     store = store_of(spec)
@@ -266,12 +266,13 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     # find the dataset its first run built, or recorded scores would not compare)
     tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()
                              if not rel.startswith(_NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
-    # what the files hold, not only their names: appended rows (or a re-uploaded object) make a new version
+    # what the files hold, not only their names: appended rows (or a re-uploaded object) make a new version;
+    # data without files keeps the key it had before fingerprints existed
     inputs = data_fingerprints(cfg.data.sources)
-    version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, _context_of(store, base),
-                                         cfg.rollout.max_new_tokens, cfg.model.apply_chat_template,
-                                         {u: f["digest"] for u, f in inputs.items()}],
-                                        sort_keys=True).encode()).hexdigest()[:12]
+    identity = [d, cfg.run.seed, tokenizer_files, _context_of(store, base), cfg.rollout.max_new_tokens, cfg.model.apply_chat_template]
+    if inputs:
+        identity.append({u: f["digest"] for u, f in inputs.items()})
+    version = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     name = "synthetic" if not cfg.data.sources else "mixed"
     keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
     if not all(store.exists(k) for k in keys.values()):
