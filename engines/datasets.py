@@ -312,6 +312,56 @@ def bound_prompts(df: pd.DataFrame, count_tokens, max_tokens: int, over_length: 
     return out, report
 
 
+EVAL_MAX_FRACTION = 0.2     # a file's eval split holds at most this share of its rows
+
+
+def row_unit(prompt: str) -> float:
+    """A row's place in [0, 1): the first 8 bytes of sha256(prompt). Depends on the prompt alone, so a
+    row keeps it however many rows are appended around it (duplicates of a prompt share it)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2.0 ** 64
+
+
+@dataclass(frozen=True)
+class HashSplit:
+    train: pd.DataFrame
+    evals: pd.DataFrame
+    asked: int           # eval rows asked for (data.eval_size)
+    fraction: float      # eval rows are those with row_unit < fraction
+    note: str = ""       # a warning when the cap made the eval split smaller than asked
+
+
+def hash_split(df: pd.DataFrame, eval_size: int, *, min_train: int = 1, what: str = "prompt file") -> HashSplit:
+    """Split one prompt table into train and eval by each row's prompt hash (`row_unit`), not by position.
+
+    A row is eval iff row_unit(prompt) < fraction, fraction = min(eval_size / rows, EVAL_MAX_FRACTION):
+    the eval split holds about eval_size rows, at most ~20 % of the file. Appended rows never move an
+    old train row into eval; while the 20 % cap decides (files up to 5 x eval_size rows) the old rows
+    keep their side exactly, and past it the fraction shrinks with growth, so an eval row with one of
+    the highest hashes may become a train row. When the cap takes rows off eval_size, `note` names both
+    numbers. Raises ValueError naming the numbers when the eval split would be empty, or the train split
+    would hold fewer than `min_train` rows (one iteration's prompts)."""
+    n = len(df)
+    fraction = min(eval_size / n, EVAL_MAX_FRACTION) if n else 0.0
+    is_eval = [row_unit(p) < fraction for p in df["prompt"]]
+    evals = df[is_eval].reset_index(drop=True)
+    train = df[[not e for e in is_eval]].reset_index(drop=True)
+    if len(train) < min_train:
+        raise ValueError(f"{what}: {n} rows; holding out {len(evals)} for eval (asked data.eval_size={eval_size}, at most "
+                         f"{EVAL_MAX_FRACTION:.0%} of the rows) leaves {len(train)} train prompts, fewer than one iteration's "
+                         f"rollout.prompts_per_iteration={min_train}; expected more rows, a separate eval file (eval_uri) or "
+                         "a smaller prompts_per_iteration")
+    if not len(evals):
+        raise ValueError(f"{what}: {n} rows; no row fell into the eval split (eval_size={eval_size}, at most "
+                         f"{EVAL_MAX_FRACTION:.0%} of the rows by prompt hash); expected more rows or a separate eval file (eval_uri)")
+    note = ""
+    if eval_size > EVAL_MAX_FRACTION * n:
+        note = (f"{what}: data.eval_size={eval_size} asked, {len(evals)} used: the eval split is capped at "
+                f"{EVAL_MAX_FRACTION:.0%} of the file's {n} rows (by prompt hash), leaving {len(train)} train prompts")
+    return HashSplit(train, evals, eval_size, fraction, note)
+
+
 def table_of(records: list[dict]) -> pd.DataFrame:
     """Validated records as a prompt table; object columns, so a missing answer stays None."""
     return pd.DataFrame(records, columns=list(COLUMNS), dtype=object)

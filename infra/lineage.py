@@ -73,7 +73,9 @@ def lineage(target: str, store_uri: str, tracking_uri: str, model: str = DEFAULT
         try:
             dm = store.manifest(d)
             data.append({"key": d, "rows": dm.metadata.get("rows"), "domains": dm.metadata.get("domains"),
-                         "files": {n: f.sha256[:16] for n, f in dm.files.items()}})
+                         "files": {n: f.sha256[:16] for n, f in dm.files.items()},
+                         # the fingerprints of the files the dataset was built from (engines/fingerprint.py)
+                         "inputs": {u: f.get("digest") for u, f in (dm.metadata.get("inputs") or {}).items()}})
         except StoreError as e:
             data.append({"key": d, "error": str(e)})
     try:  # MLflow's view of each policy version
@@ -116,7 +118,8 @@ def cli_main(argv: list[str]) -> int:
         it = v["metadata"].get("iteration")
         print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{f', iteration {it}' if it is not None else ''}]{tag}")
     for d in rec["datasets"]:
-        print(f"dataset {d['key']}: {d.get('rows')} rows, domains {d.get('domains')}")
+        inputs = "".join(f", from {u} ({digest})" for u, digest in (d.get("inputs") or {}).items())
+        print(f"dataset {d['key']}: {d.get('rows')} rows, domains {d.get('domains')}{inputs}")
     return 0
 
 

@@ -20,6 +20,7 @@ from configs.schema import load_config
 from engines import datasets, sources
 from engines.datasets import bound_prompts, domain_quotas, encode_nested
 from engines.env_manager import solved_episodes
+from engines.fingerprint import fingerprint
 from engines.pretrain import supervised_finetune
 from engines.synthetic import make_problems, teacher_demonstration
 from infra import tracking
@@ -81,8 +82,12 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
         console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
     tracking.claim_run(tracking_uri, mlflow_run, end_on_exit=is_local_execution())  # RUNNING, owned by this process
     spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
+    # a local model folder by its content too: one re-saved at the same path is a new import (and a new
+    # Flyte cache key of bootstrap_policy, whose input this is), not the first import silently reused
+    folders = {f: fingerprint(p)["digest"] for f, p in (("path", cfg.model.path), ("reference_path", cfg.model.reference_path))
+               if p and os.path.isdir(p)}
     model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
-                             "threads": cfg.run.torch_threads,
+                             "threads": cfg.run.torch_threads, **({"model_fingerprints": folders} if folders else {}),
                              **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
     return PrepareOut(spec, model_spec)
 
@@ -129,8 +134,11 @@ def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict
 _DEFAULT_REWARD = {"synthetic": None, "file": None, "reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}
 
 
-def _source_splits(src: dict, d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports."""
+def _source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
+                   notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports. A file
+    without eval_uri must leave `min_train` train rows after its eval split; a warning that its eval
+    split was capped is appended to `notes`."""
     n_train, n_eval = src["train_size"] or d["train_size"], src["eval_size"] or d["eval_size"]
     kind, problems = src["kind"], []
     if kind == "synthetic":
@@ -154,9 +162,11 @@ def _source_splits(src: dict, d: dict, seed: int) -> tuple[pd.DataFrame, pd.Data
             ev = datasets.load_prompts(src["eval_uri"])
             problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
             train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
-        else:
-            cut = max(1, len(res.table) - n_eval)
-            train, evals = res.table.iloc[:cut].head(src["train_size"] or cut), res.table.iloc[cut:]
+        else:  # eval rows by prompt hash, at most 20 % of the file (engines/datasets.py hash_split)
+            split = datasets.hash_split(res.table, n_eval, min_train=min_train, what=f"data.sources file {src['uri']!r}")
+            if split.note and notes is not None:
+                notes.append(split.note)
+            train, evals = split.train.head(src["train_size"] or len(split.train)), split.evals
     out = []
     for df in (train, evals):
         df = df.reset_index(drop=True).copy()
@@ -169,15 +179,18 @@ def _source_splits(src: dict, d: dict, seed: int) -> tuple[pd.DataFrame, pd.Data
     return out[0], out[1], problems
 
 
-def build_splits(d: dict, seed: int) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata)."""
+def build_splits(d: dict, seed: int, min_train: int = 1,
+                 notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata), and the
+    skipped-row reports. `min_train` (one iteration's prompts) binds a file source's eval split when it
+    is the only source; eval-cap warnings are appended to `notes`."""
     if not d["sources"]:
         specs = [{"kind": "synthetic", "names": tuple(d["domains"]), "domain": None, "train_size": None, "eval_size": None}]
     else:
         specs = d["sources"]
     trains, evals, problems = [], [], []
     for src in specs:
-        tr, ev, pr = _source_splits(src, d, seed)
+        tr, ev, pr = _source_splits(src, d, seed, min_train if len(specs) == 1 else 1, notes)
         trains.append(tr)
         evals.append(ev)
         problems += pr
@@ -250,11 +263,18 @@ def check_train_split(cfg, domain_rows: dict[str, int]) -> None:
                          "its groups would merge (same group_id); expected more train prompts, or a smaller batch")
 
 
+def data_fingerprints(sources) -> dict[str, dict]:
+    """{uri: fingerprint} of every file a `data.sources` entry reads (engines/fingerprint.py)."""
+    uris = sorted({u for src in sources if src.kind == "file" for u in (src.uri, src.eval_uri) if u})
+    return {u: fingerprint(u) for u in uris}
+
+
 @task(**task_resources("weight_sync"))
 def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
-    config and the policy, whose tokenizer and context bound the prompts). Bad rows of user files are
-    skipped, prompts over data.max_prompt_tokens dropped or truncated; counts and reasons go to MLflow."""
+    config, the fingerprints of the files it reads, and the policy, whose tokenizer and context bound
+    the prompts). Bad rows of user files are skipped, prompts over data.max_prompt_tokens dropped or
+    truncated; counts and reasons go to MLflow."""
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     store = store_of(spec)
@@ -263,13 +283,19 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     # find the dataset its first run built, or recorded scores would not compare)
     tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()
                              if not rel.startswith(_NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
-    version = hashlib.sha256(json.dumps([d, cfg.run.seed, tokenizer_files, _context_of(store, base),
-                                         cfg.rollout.max_new_tokens, cfg.model.apply_chat_template],
-                                        sort_keys=True).encode()).hexdigest()[:12]
+    # what the files hold, not only their names: appended rows (or a re-uploaded object) make a new version;
+    # data without files keeps the key it had before fingerprints existed
+    inputs = data_fingerprints(cfg.data.sources)
+    identity = [d, cfg.run.seed, tokenizer_files, _context_of(store, base), cfg.rollout.max_new_tokens, cfg.model.apply_chat_template]
+    if inputs:
+        identity.append({u: f["digest"] for u, f in inputs.items()})
+    version = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     name = "synthetic" if not cfg.data.sources else "mixed"
     keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
     if not all(store.exists(k) for k in keys.values()):
-        train, evals, problems = build_splits(d, cfg.run.seed)
+        eval_notes: list[str] = []
+        min_train = cfg.rollout.prompts_per_iteration if cfg.rollout.partial_rollout_max_split == 1 else 1
+        train, evals, problems = build_splits(d, cfg.run.seed, min_train, eval_notes)
         train, evals, bounds = bounded_splits(cfg, store, base, train, evals)
         long_rows = [r.summary(split) for split, r in bounds.items() if r.over]
         for split, df in (("train", train), ("eval", evals)):
@@ -280,7 +306,10 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                            {"split": split, "rows": len(df), "domains": mix, "skipped_rows": problems,
                             "domain_rows": {str(k): int(v) for k, v in df["domain"].value_counts().items()},
                             "max_prompt_tokens": bounds[split].limit, "long_prompts": bounds[split].over,
-                            "over_length": cfg.data.over_length, "long_prompts_report": bounds[split].summary(split)})
+                            "over_length": cfg.data.over_length, "long_prompts_report": bounds[split].summary(split),
+                            "inputs": inputs, "eval_split_notes": eval_notes})
+        for note in eval_notes:
+            console.print(f"[yellow]eval split:[/] {note}")
         if problems:
             console.print("[yellow]skipped bad rows:[/] " + " | ".join(problems))
             tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, "\n".join(problems), "data/skipped_rows.txt")
@@ -294,7 +323,9 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                          {"data/train_rows": float(manifest.metadata["rows"]),
                           long_key: float(manifest.metadata.get("long_prompts", 0)),
                           "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
-    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"]})
+    tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"],
+                                                              **({"flyroll.dataset.inputs": json.dumps({u: f["digest"] for u, f in inputs.items()})}
+                                                                 if inputs else {})})
     for split, key in keys.items():  # MLflow dataset inputs: the run page's Datasets, the Runs table's dataset column
         meta = manifest.metadata if split == "train" else store.manifest(key).metadata
         tracking.log_dataset(spec.tracking_uri, spec.mlflow_run_id, name=f"{name}/{split}", digest=version,
@@ -328,7 +359,8 @@ def build_base_policy(model_spec: str) -> PolicyRef:
         console.print(f"[bold]bootstrap[/] reusing {key}")
         return PolicyRef(key=key, version=0)
     if path:
-        store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(), metadata={"imported_from": path})
+        store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
+                      metadata={"imported_from": path, "fingerprint": spec.get("model_fingerprints", {}).get("path")})
         return PolicyRef(key=key, version=0)
 
     from engines.modeling import build_tiny_policy, save_policy  # engines.modeling: here and below, not at the top: it
@@ -446,13 +478,14 @@ def build_reference(model_spec: str, base: PolicyRef) -> PolicyRef:
         return base
     store = ArtifactStore(spec["store_uri"])
     check_model_path(path, store, "model.reference_path")
-    key = f"models/reference-{hashlib.sha256(path.encode()).hexdigest()[:12]}/v0000"
+    folder = spec.get("model_fingerprints", {}).get("reference_path")  # a local folder's content (prepare_run)
+    key = f"models/reference-{hashlib.sha256((path + (folder or '')).encode()).hexdigest()[:12]}/v0000"
     if path.startswith(("gguf:", "package:")):
         _import_gguf(path, store, key, "model.reference_path")
     elif os.path.isdir(path):
         if not store.exists(key):
             store.publish(path, key, kind="checkpoint", producer="reference_policy", execution_id=execution_id(),
-                          metadata={"imported_from": path, "role": "reference"})
+                          metadata={"imported_from": path, "role": "reference", "fingerprint": folder})
     else:
         key = _store_key(path, store)
     policy_name = repr(spec["model"]["path"]) if spec["model"]["path"] else "(the bootstrapped tiny model)"

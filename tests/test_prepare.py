@@ -119,7 +119,7 @@ def test_domain_weights_absent_from_a_file_are_refused_when_the_dataset_is_built
 
 def test_a_file_below_one_batch_is_refused_when_the_dataset_is_built(tmp_path, tiny_model_dir, monkeypatch):
     """Was: a batch drew a prompt twice and its groups merged (one group_id)."""
-    uri = _prompts_file(tmp_path, _rows(7))
-    with pytest.raises(ValueError, match=r"fewer prompts than one batch of rollout\.prompts_per_iteration=8 \(3 prompts"):
-        _dataset(tmp_path, tiny_model_dir, monkeypatch, {"sources": [{"kind": "file", "uri": uri, "eval_size": 4}]},
+    uri = _prompts_file(tmp_path, _rows(7))  # its own eval file: a file without one is refused by its eval split
+    with pytest.raises(ValueError, match=r"fewer prompts than one batch of rollout\.prompts_per_iteration=8 \(7 prompts"):
+        _dataset(tmp_path, tiny_model_dir, monkeypatch, {"sources": [{"kind": "file", "uri": uri, "eval_uri": uri, "eval_size": 4}]},
                  {"prompts_per_iteration": 8})

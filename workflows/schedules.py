@@ -7,7 +7,8 @@
 `retrain` starts from the champion alias (`run.champion_alias`, default `champion`) of the config's
 registered model (`run.model_name`, default `<run.experiment>-policy` = flyroll-policy) (or, when no
 version holds it yet, from the config's model, bootstrapped if need be), takes the dataset snapshot
-of the config's data section, runs N RL iterations with the same building blocks as
+of the config's data section and the content of its files (rows appended since the last run make a
+new snapshot: docs/data.md "Dataset identity"), runs N RL iterations with the same building blocks as
 `workflows/rlvr.py` (KL reference = the champion), evaluates greedily on the fixed eval split, and
 moves `champion` to the new policy only if its eval accuracy beats the champion's score. The
 champion's score is the one recorded on its model version when it was promoted (tag
