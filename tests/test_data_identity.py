@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.test_prepare import _config, _dataset, _prompts_file, _rows
+from tests.support.datasets import _config, _dataset, _prompts_file, _rows
 
 
 def _append(path: str, rows) -> None:
@@ -173,7 +173,7 @@ def test_a_retrain_after_appending_rows_trains_on_the_new_dataset_version(tmp_pa
     from infra.store import ArtifactStore
     from tasks.prepare import build_base_policy, make_dataset, prepare_run
     from tests.support.workflow import _env
-    from tests.test_schedules import _client, _retrain, _retrain_run
+    from tests.support.workflow import _client, _retrain, _retrain_run
 
     uri = _prompts_file(tmp_path, _rows(40, domain="arithmetic"))   # e2e.yaml's test reward for 'arithmetic'
     config = _config(tmp_path, {"sources": [{"kind": "file", "uri": uri}]}, path=tiny_model_dir)  # runs/ in tmp_path

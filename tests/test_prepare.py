@@ -9,18 +9,7 @@ import json
 import pytest
 import yaml
 
-from tests.support.workflow import REPO
-
-
-def _config(tmp_path, data: dict | None = None, rollout: dict | None = None, **model) -> str:
-    cfg = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())
-    cfg["run"]["output_dir"] = str(tmp_path / "runs")
-    cfg["model"].update(model)
-    cfg["data"].update(data or {})
-    cfg["rollout"].update(rollout or {})
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+from tests.support.datasets import _config, _dataset, _prompts_file, _rows
 
 
 def test_a_model_path_folder_that_is_not_a_model_is_refused(tmp_path):
@@ -67,25 +56,6 @@ def test_a_read_only_store_is_refused_before_the_run_starts(tmp_path):
     with pytest.raises(ValueError, match=r"run\.store_uri: the artifact store .* cannot be written to") as e:
         prepare_run(config=str(tmp_path / "ro.yaml"), restart=False)
     assert root in str(e.value)
-
-
-def _prompts_file(tmp_path, rows) -> str:
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def _dataset(tmp_path, tiny_model_dir, monkeypatch, data, rollout=None):
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
-
-    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
-    spec, model_spec = prepare_run(config=_config(tmp_path, data, rollout, path=tiny_model_dir), restart=False)
-    base = build_base_policy(model_spec)
-    return spec, make_dataset(spec=spec, base=base)
-
-
-def _rows(n, domain="math"):
-    return [{"prompt": f"{i}+{i}=", "domain": domain, "answer": str(2 * i)} for i in range(n)]
 
 
 def test_a_100000_character_row_never_reaches_the_workers(tmp_path, tiny_model_dir, monkeypatch):

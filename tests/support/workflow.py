@@ -50,3 +50,22 @@ def _mlflow(tmp: Path):
     exp = c.get_experiment_by_name("flyroll")
     (run,) = [r for r in c.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
     return c, run
+
+
+def _retrain(tmp, config, iterations: int) -> subprocess.CompletedProcess:
+    return subprocess.run([PYFLYTE, "run", str(REPO / "workflows/schedules.py"), "retrain", "--config", str(config),
+                           "--iterations", str(iterations)], cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
+
+
+def _client(tmp):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+
+
+def _retrain_run(c, after_ms: int):
+    exp = c.get_experiment_by_name("flyroll")
+    runs = [r for r in c.search_runs([exp.experiment_id], filter_string="tags.`flyroll.workflow` = 'retrain'")
+            if r.info.start_time >= after_ms]
+    (run,) = runs
+    return run
