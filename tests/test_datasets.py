@@ -68,7 +68,7 @@ def test_empty_and_all_bad_and_missing_files_raise_naming_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
         load_prompts(str(tmp_path / "nowhere.jsonl"))
     with pytest.raises(ValueError, match="unknown format"):
-        load_prompts(_write(tmp_path / "data.csv", ["a,b"]))
+        load_prompts(_write(tmp_path / "data.tsv", ["a\tb"]))
 
 
 def test_parquet_and_gzip_round_trip(tmp_path):
@@ -280,3 +280,56 @@ def test_a_utf8_bom_keeps_the_first_row_and_is_reported(tmp_path):
     assert len(res.table) == 3 and not res.errors
     assert res.table["prompt"].iloc[0] == GOOD[0]["prompt"]
     assert "byte-order mark" in res.summary()
+
+
+def test_a_csv_file_loads_with_its_line_numbers_and_rows_take_the_source_domain(tmp_path):
+    """CSV with a header: cells stay text (an answer 042 is not the number 42), empty cells are absent
+    fields, a quoted cell may span lines (the next row's line number counts them), a row with more
+    cells than the header is skipped naming its line; rows without a domain take `default_domain`,
+    and without one they are rejected naming the field."""
+    from engines.datasets import load_prompts
+
+    path = tmp_path / "p.csv"
+    path.write_text('prompt,answer,metadata\n"What is 2+2?",4,"{""level"": 1}"\n"two\nlines",042,\n,5,\n"x",1,{},extra\n')
+    res = load_prompts(str(path), default_domain="math")
+    assert res.table["prompt"].tolist() == ["What is 2+2?", "two\nlines"]
+    assert res.table["answer"].tolist() == ["4", "042"]
+    assert res.table["domain"].tolist() == ["math", "math"]
+    assert res.table["metadata"].tolist()[0] == {"level": 1}
+    assert [(e.line, e.reason) for e in res.errors] == [(5, "prompt: Field required"),
+                                                        (6, "1 cell(s) more than the header's 3 columns")]
+    with pytest.raises(ValueError, match="domain: Field required"):
+        load_prompts(str(path))
+    (tmp_path / "h.csv").write_text("question,answer\nq,1\n")
+    with pytest.raises(ValueError, match="h.csv.*header line naming the columns"):
+        load_prompts(str(tmp_path / "h.csv"))
+
+
+def test_a_row_domain_wins_over_the_source_default(tmp_path):
+    from engines.datasets import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2", "domain": "code"}\n')
+    assert load_prompts(str(path), default_domain="math").table["domain"].tolist() == ["math", "code"]
+
+
+def test_few_shot_examples_come_from_train_rows_and_never_show_a_prompt_its_own_answer():
+    import pandas as pd
+
+    from engines.datasets import with_prompt_format
+
+    rows = lambda qs: pd.DataFrame({"prompt": qs, "domain": "m", "answer": [str(len(q)) for q in qs],  # noqa: E731
+                                    "tests": None, "metadata": [{} for _ in qs]})
+    train, evals = rows([f"q{i}" for i in range(10)]), rows(["e0", "e1"])
+    t2, e2 = with_prompt_format(train, evals, shots=2, instruction="Reply with a number.", seed=3, what="file p.jsonl")
+    for raw, prompt in zip(list(train["prompt"]) + list(evals["prompt"]), list(t2["prompt"]) + list(e2["prompt"])):
+        assert prompt.startswith("Reply with a number.\n\nQuestion: ") and prompt.endswith(f"Question: {raw}\nAnswer:")
+        shown = [b.split("\n")[0].removeprefix("Question: ") for b in prompt.split("\n\n")[1:-1]]
+        assert len(shown) == 2 and raw not in shown and set(shown) <= set(train["prompt"])
+    first_blocks = {tuple(p.split("\n\n")[1:3]) for p in e2["prompt"]}
+    assert len(first_blocks) == 1  # every eval prompt shows the same two examples
+    assert e2["metadata"].tolist() == [{"question": "e0"}, {"question": "e1"}]
+    t3, _ = with_prompt_format(train, evals, instruction="Reply with a number.")
+    assert t3["prompt"][0] == "q0\n\nReply with a number."
+    with pytest.raises(ValueError, match="file p.jsonl: shots=2 needs at least 3 train rows with an answer"):
+        with_prompt_format(train.head(2), evals, shots=2, what="file p.jsonl")

@@ -62,11 +62,17 @@ def test_a_held_out_split_too_large_for_the_task_space_is_refused():
 
 @pytest.mark.parametrize("src, match", [
     (dict(kind="reasoning_gym", names=("chain_sum",), settings={"leg_counting": {}}), r"settings for \['leg_counting'\]"),
-    (dict(kind="ifeval", shots=2), "apply to kind 'reasoning_gym' only"),
+    (dict(kind="ifeval", shots=2), "apply to kinds 'reasoning_gym' and 'file' only"),
+    (dict(kind="file", uri="p.jsonl", settings={"x": {}}), "settings apply to kind 'reasoning_gym' only"),
 ])
 def test_source_settings_are_checked(src, match):
     with pytest.raises(ValidationError, match=match):
         SourceConfig(**src)
+
+
+def test_a_file_source_takes_shots_and_an_instruction():
+    src = SourceConfig(kind="file", uri="p.csv", domain="math", shots=3, instruction="Answer with a number.")
+    assert (src.shots, src.instruction) == (3, "Answer with a number.")
 
 
 def test_a_generator_refusing_its_settings_is_named():
