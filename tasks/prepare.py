@@ -101,7 +101,12 @@ def resolved_config(config: str, overrides: typing.Optional[typing.List[str]], c
     head = f"[bold]config[/] {escape(config or 'configs/tiny.yaml (default)')}"
     if overrides:
         head += "  --set " + escape(" ".join(overrides))
-    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude_defaults=True), sort_keys=True, default_flow_style=None)
+    class OneLineStrings(yaml.SafeDumper):  # a string with a line break written "\n", not folded over lines
+        pass
+
+    OneLineStrings.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style='"' if "\n" in v else None))
+    body = yaml.dump(cfg.model_dump(mode="json", exclude_defaults=True), Dumper=OneLineStrings, sort_keys=True,
+                     default_flow_style=None)
     return f"{head}\nresolved config (settings that differ from the defaults):\n{escape(body.rstrip())}"
 
 
@@ -318,6 +323,9 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
         if long_rows:
             console.print("[yellow]long prompts:[/] " + " | ".join(long_rows))
     manifest = store.manifest(keys["train"])
+    eval_meta = store.manifest(keys["eval"]).metadata
+    console.print(f"dataset {name}-{version}: {manifest.metadata.get('rows')} train / {eval_meta.get('rows')} eval prompts "
+                  f"(train by domain {manifest.metadata.get('domain_rows')})")
     if "domain_rows" in manifest.metadata:
         check_train_split(cfg, manifest.metadata["domain_rows"])
     long_key = "data/dropped_long_prompts" if cfg.data.over_length == "drop" else "data/truncated_prompts"
@@ -329,7 +337,7 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                                                               **({"flyroll.dataset.inputs": json.dumps({u: f["digest"] for u, f in inputs.items()})}
                                                                  if inputs else {})})
     for split, key in keys.items():  # MLflow dataset inputs: the run page's Datasets, the Runs table's dataset column
-        meta = manifest.metadata if split == "train" else store.manifest(key).metadata
+        meta = manifest.metadata if split == "train" else eval_meta
         tracking.log_dataset(spec.tracking_uri, spec.mlflow_run_id, name=f"{name}/{split}", digest=version,
                              source=store.uri(key), context=split,
                              profile={"rows": meta.get("rows"), "domains": meta.get("domain_rows")})
