@@ -333,6 +333,12 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                          {"data/train_rows": float(manifest.metadata["rows"]),
                           long_key: float(manifest.metadata.get("long_prompts", 0)),
                           "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
+    before = tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags.get("flyroll.dataset.train")
+    if before and before != keys["train"]:  # a resumed run whose data files changed since it started
+        console.print(f"[yellow]data changed since this run started:[/] its earlier iterations trained on {before}, the "
+                      f"iterations from here on use {keys['train']} (tag flyroll.dataset.train.previous); start a new run "
+                      "(a changed run.name or --set) to keep one dataset per run")
+        tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train.previous": before})
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {"flyroll.dataset.train": keys["train"], "flyroll.dataset.eval": keys["eval"],
                                                               **({"flyroll.dataset.inputs": json.dumps({u: f["digest"] for u, f in inputs.items()})}
                                                                  if inputs else {})})

@@ -67,6 +67,29 @@ def test_an_object_store_file_is_fingerprinted_from_its_etag_without_reading_it(
     assert fingerprint("memory://bucket/train.jsonl")["digest"] != first["digest"]
 
 
+@pytest.mark.slow
+def test_an_s3_object_is_fingerprinted_by_its_etag_on_a_real_s3_server(monkeypatch):
+    """SeaweedFS: the same bytes uploaded again keep the fingerprint (the ETag is their MD5), appended
+    rows change it; nothing is downloaded to compute it."""
+    import s3fs
+
+    from engines.fingerprint import fingerprint
+    from infra.services import SeaweedS3
+
+    with SeaweedS3(bucket="flyroll") as s3:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options)
+        rows = b'{"prompt": "1+1=", "domain": "math", "answer": "2"}\n'
+        fs.pipe_file("flyroll/data/train.jsonl", rows)
+        first = fingerprint("s3://flyroll/data/train.jsonl")
+        assert first["method"] == "etag" and first["bytes"] == len(rows)
+        fs.pipe_file("flyroll/data/train.jsonl", rows)
+        assert fingerprint("s3://flyroll/data/train.jsonl")["digest"] == first["digest"]
+        fs.pipe_file("flyroll/data/train.jsonl", rows + b'{"prompt": "2+2=", "domain": "math", "answer": "4"}\n')
+        assert fingerprint("s3://flyroll/data/train.jsonl")["digest"] != first["digest"]
+
+
 # --- eval split by prompt hash ---------------------------------------------------------------
 
 def _table(n, start=0):
@@ -128,6 +151,12 @@ def test_appended_rows_make_a_new_dataset_version_with_its_fingerprint(tmp_path,
     assert meta["inputs"][uri]["digest"] != store.manifest(first.train_key).metadata["inputs"][uri]["digest"]
     assert meta["rows"] + store.manifest(second.eval_key).metadata["rows"] == 50
     assert any("data.eval_size=16 asked" in n for n in meta["eval_split_notes"])   # e2e.yaml's 16 > 20 % of 50
+    # the same run resumed on the changed file says so, and keeps the dataset it started on in a tag
+    from infra import tracking
+
+    tags = tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags
+    assert tags["flyroll.dataset.train"] == second.train_key
+    assert tags["flyroll.dataset.train.previous"] == first.train_key
 
 
 def test_make_dataset_refuses_a_file_whose_eval_split_leaves_less_than_one_batch(tmp_path, tiny_model_dir, monkeypatch):
