@@ -42,7 +42,7 @@ def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
     LiveSyncError naming every engine that failed or reports another version."""
     gens = generation_actors(spec)
     names = [f"flyroll/{spec.run_id}/generation/{i}" for i in range(len(gens))]
-    _ensure_group(trainer, gens, cfg.sync.timeout_s)
+    _ensure_group(trainer, gens, names, cfg.sync.timeout_s, version)
     dtype = role_devices(cfg, "actor_infer")["actor_infer"][1]
     sent = trainer.send_weights.remote(version, dtype, cfg.sync.bucket_mb << 20)
     got = [g.receive_weights.remote(key) for g in gens]
@@ -64,9 +64,16 @@ def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
     return {**report, "engines": len(gens)}
 
 
-def _ensure_group(trainer, gens: list, timeout_s: float) -> None:
+def _ensure_group(trainer, gens: list, names: list[str], timeout_s: float, version: int) -> None:
     """The trainer and every generation actor in one usable update group; a new one when not."""
-    states = ray.get([trainer.update_group_state.remote(), *[g.update_group_state.remote() for g in gens]])
+    states, problems = [], []
+    for who, actor in [("trainer", trainer), *[(f"generation engine {n}", g) for n, g in zip(names, gens)]]:
+        try:
+            states.append(ray.get(actor.update_group_state.remote()))
+        except Exception as e:  # noqa: BLE001 - a dead actor
+            problems.append(f"{who}: {_short(e)}")
+    if problems:
+        raise LiveSyncError(f"live weight sync of policy v{version}: not started: " + "; ".join(problems))
     if states[0] is not None and all(s == states[0] for s in states):
         return
     token = uuid.uuid4().hex

@@ -130,6 +130,9 @@ class GenerationWorker:
 
     def receive_weights(self, key: str) -> int | None:
         """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
+        if self.engine is None:
+            raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
+                               f"(a new actor, started after the last rollout), so it cannot take {key} in place")
         self.key = None  # until every bucket is in: a torn engine serves no key
         version = self.update_group.receive(self.engine)
         self.key = key
@@ -474,13 +477,19 @@ class TrainWorker:
         return self.update_token if group is not None and not group.broken else None
 
     def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict:
-        """Send the weights of the last `step(keep_weights=True)` to the group's engines as `version`;
-        returns the sync's report (engines/weight_update.py `SyncReport`) once every engine verified it."""
+        """Send the weights of the last `step(keep_weights=True)` -- or, with none kept, a one-process
+        trainer's current weights -- to the group's engines as `version`; returns the sync's report
+        (engines/weight_update.py `SyncReport`) once every engine verified it."""
         import dataclasses
 
+        from engines.lora import plain_model
+
         weights = getattr(self, "sync_weights", None)
+        if weights is None and self.world_size == 1:
+            weights = self.engine.checkpoint_state_dict() or plain_model(self.engine.model).state_dict()
         if weights is None:
-            raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False)")
+            raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False); a "
+                               "sharded trainer gathers them in the step")
         try:
             report = self.update_group.send(list(weights.items()), version=version, dtype=dtype, bucket_bytes=bucket_bytes)
         finally:
