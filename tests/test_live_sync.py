@@ -84,6 +84,8 @@ def test_live_sync_is_refused_in_per_task_mode_and_with_a_lag(monkeypatch):
     with pytest.raises(ValueError, match=r"per-task mode .*the store is the hand-off.*training cluster is gone"):
         parse_config({"sync": {"method": "live"}})
     assert parse_config({"sync": {"method": "live"}, "loop": {"fuse": 2}}).sync.method == "live"   # one cluster
+    assert parse_config({"sync": {"method": "live", "bucket_mb": 8}, "loop": {"fuse": 2}}).hash() == \
+        parse_config({"loop": {"fuse": 2}}).hash()                  # same bits to the generators: same run
     monkeypatch.setenv("FLYROLL_RAY", "shared")
     with pytest.raises(ValueError, match=r"sync.method=live with pipeline.off_policy_steps=1"):
         parse_config({"sync": {"method": "live"}, "pipeline": {"off_policy_steps": 1}, "algorithm": {"tis_cap": 2.0}})
