@@ -91,6 +91,17 @@ def test_live_sync_is_refused_in_per_task_mode_and_with_a_lag(monkeypatch):
         parse_config({"sync": {"method": "live"}, "pipeline": {"off_policy_steps": 1}, "algorithm": {"tis_cap": 2.0}})
 
 
+def test_live_sync_unfused_on_a_flyte_cluster_is_refused_by_the_first_task():
+    from configs.schema import parse_config
+    from tasks.prepare import check_remote_sync
+
+    remote = {"FLYTE_INTERNAL_EXECUTION_ID": "f3a9c1d2"}
+    with pytest.raises(ValueError, match=r"loop.fuse=1 on a Flyte cluster: in per-task mode .*store is the hand-off"):
+        check_remote_sync(parse_config({"sync": {"method": "live"}}), remote)
+    check_remote_sync(parse_config({"sync": {"method": "live"}, "loop": {"fuse": 4}}), remote)   # one cluster: allowed
+    check_remote_sync(parse_config({"sync": {"method": "live"}}), {})                            # local shared Ray: allowed
+
+
 def test_a_bucket_below_the_largest_tensor_is_a_clear_error():
     from engines.weight_update import plan_buckets
 
