@@ -295,6 +295,24 @@ class PipelineConfig(_Section):
     off_policy_steps: int = Field(0, ge=0, le=16, description="Asynchronous generation: iteration i's rollout samples with the policy published k = off_policy_steps iterations before the one it trains (version i-1-k, not before the run's starting policy), so the rollout of iteration i+1 does not wait for iteration i's update and runs beside it (on a Flyte cluster as its own task; in one box within a fused task, loop.fuse). Every row's policy_version names the policy that sampled it (rollout/staleness logs the lag) and the update corrects the lag with truncated importance sampling, so k > 0 needs algorithm.tis_cap. 0 = synchronous (on-policy).")
 
 
+class SyncConfig(_Section):
+    method: Literal["store", "live"] = Field("store", description="How the generation actors get each new policy version. store: the trainer writes a checkpoint, weight_sync publishes it and the generators fetch and load it. live: right after the training step the trainer actor sends the weights to the generation actors through a model update group (engines/weight_update.py: torch.distributed, gloo on CPU) and the next rollout starts as soon as every engine reports the new version; the checkpoint is still published (lineage, resume). live needs the trainer and the generators alive together: a fused task (loop.fuse > 1) or a local run on one shared Ray instance (FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage: FLYROLL_RAY=per-task, or unfused on a Flyte cluster) the store is the hand-off, because the training cluster is gone when the rollout starts, so live is refused there. Not with pipeline.off_policy_steps > 0 (the generators serve an older version).")
+    bucket_mb: int = Field(256, ge=1, le=65536, description="live: the largest bucket of weights sent at once, in MiB of the generators' dtype; must hold the largest tensor (tensors are not split), else the sync stops with an error naming it.")
+    timeout_s: float = Field(120.0, gt=0, le=3600, description="live: how long the trainer waits for a generation engine at any step of a sync; an engine that died is reported by name and version after at most this long.")
+
+
+def live_sync_check(fuse: int, off_policy_steps: int) -> None:
+    """sync.method=live: refused where trainer and generators are not alive together (per-task mode)."""
+    if fuse == 1 and os.environ.get("FLYROLL_RAY", "shared") == "per-task":
+        raise ValueError("sync.method=live with FLYROLL_RAY=per-task and loop.fuse=1: in per-task mode (one Ray cluster "
+                         "per stage) the store is the hand-off, because the training cluster is gone when the rollout "
+                         "starts; set sync.method: store, or loop.fuse > 1 (one cluster for the fused iterations)")
+    if off_policy_steps > 0:
+        raise ValueError(f"sync.method=live with pipeline.off_policy_steps={off_policy_steps}: the generators serve a "
+                         "policy older than the one just trained (each rollout loads its own version from the store); "
+                         "set sync.method: store, or pipeline.off_policy_steps: 0")
+
+
 class FlyrollConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and tracking.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy and reference models.")
@@ -307,6 +325,7 @@ class FlyrollConfig(_Section):
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="How generation overlaps training (workflows/rlvr.py).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="What each published policy version holds beside its weights.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="How new weights reach the generation actors (docs/weight-sync.md).")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
 
     @property
@@ -326,6 +345,8 @@ class FlyrollConfig(_Section):
                 raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps} samples with a policy "
                                  f"{self.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
                                  "the update corrects it with truncated importance sampling")
+        if self.sync.method == "live":
+            live_sync_check(self.loop.fuse, self.pipeline.off_policy_steps)
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (
@@ -425,8 +446,8 @@ class FlyrollConfig(_Section):
         """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
         hash, and a run started before the upgrade still resumes. (A changed default does not change it.)
-        Left out: settings that do not change results (loop.fuse, checkpoint), so a run may be resumed with others."""
-        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True})
+        Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way), so a run may be resumed with others."""
+        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

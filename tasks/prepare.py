@@ -46,6 +46,7 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
     console.print(resolved_config(config, overrides, cfg))
     check_placement(cfg)
     check_remote_uris(cfg, os.environ)
+    check_remote_sync(cfg, os.environ)
     chash = cfg.hash()
     run_id = f"{cfg.run.name}-{chash}"
     if restart:
@@ -125,6 +126,15 @@ def check_remote_uris(cfg, env) -> None:
     if missing:
         raise ValueError("this run executes on a Flyte cluster (FLYTE_INTERNAL_EXECUTION_ID is set), where the local "
                          "defaults would live in one pod and vanish with it; name " + "; and ".join(missing))
+
+
+def check_remote_sync(cfg, env) -> None:
+    """sync.method=live unfused on a Flyte cluster: each stage its own Ray cluster (per-task mode),
+    refused here, before any cluster, as a local FLYROLL_RAY=per-task run is at config check."""
+    if env.get("FLYTE_INTERNAL_EXECUTION_ID") and cfg.sync.method == "live" and cfg.loop.fuse == 1:
+        raise ValueError("sync.method=live with loop.fuse=1 on a Flyte cluster: in per-task mode (one Ray cluster per "
+                         "stage) the store is the hand-off, because the training cluster is gone when the rollout "
+                         "starts; set sync.method: store, or loop.fuse > 1 (one cluster for the fused iterations)")
 
 
 def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict) -> None:

@@ -25,6 +25,7 @@ from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.checkpoints import scratch_checkpoint_dir
 from tasks.common import check_columns, config_of, stage
 from tasks.keys import policy_key
+from tasks.live_sync import check_live_sync, live_sync
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
@@ -48,10 +49,15 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
     """Returns the new checkpoint directory (published by weight_sync). `actor_kept`: whether the
     training actors live on to train iteration+1 (tasks/fused.py passes it); None = they do when the
     run shares one local Ray instance (`shared_local_ray`). With checkpoint.optimizer_every > 1 it
-    decides, with the iteration, whether the checkpoint holds trainer_state.pt (tasks/replay.py)."""
+    decides, with the iteration, whether the checkpoint holds trainer_state.pt (tasks/replay.py).
+    With sync.method=live the trainer then sends the new weights to the generation actors
+    (tasks/live_sync.py) before the task returns."""
     check_columns(batch, "rollout", "scoring", "reference", at="entering training")
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
+    live = cfg.sync.method == "live"
+    if live:
+        check_live_sync(cfg, fused=actor_kept is not None)
     with stage(spec, "training", iteration, metrics):
         workers = train_workers(cfg, spec.run_id)
         loaded = ray.get([w.load.remote(spec, policy.key, cfg.training, cfg.algorithm) for w in workers])
@@ -65,8 +71,12 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
         here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
         (step_metrics, files), *_ = ray.get(
             [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
-                           args["train_actor"], here, with_state) for w in workers]
+                           args["train_actor"], here, with_state, live) for w in workers]
         )
+        if live:  # the generators take the new weights now; weight_sync still publishes the checkpoint
+            report = live_sync(spec, cfg, workers[0], iteration, policy_key(spec, iteration))
+            metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),
+                            "weight_sync/live_buckets": float(report["buckets"])})
         metrics.update(step_metrics)
         metrics["training/trainer_state_published"] = float(with_state)
         metrics["training/workers"] = float(len(workers))

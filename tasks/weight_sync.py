@@ -64,7 +64,8 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         # local run's shared instance, or the one cluster of fused iterations (tasks/fused.py); not a
         # per-task stage's cluster, which is gone by now (this task is not a Ray task)
         # (with pipeline.off_policy_steps the generators serve an older version: each rollout loads its own)
-        if ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0:
+        # (sync.method=live: the training stage already sent them these weights, tasks/live_sync.py)
+        if ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0 and config_of(spec).sync.method == "store":
             try:
                 generation_pool(spec, PolicyRef(key=key, version=iteration))
             except ValueError:

@@ -111,6 +111,33 @@ class GenerationWorker:
         self.key = key
         return how
 
+    def join_update_group(self, address: str, port: int, world_size: int, rank: int, token: str, timeout_s: float) -> str:
+        """Join the model update group `token` as receiver `rank` (engines/weight_update.py; tasks/live_sync.py)."""
+        from engines.weight_update import ModelUpdateGroup
+
+        if getattr(self, "update_group", None) is not None:
+            self.update_group.close()
+        self.update_group = None
+        group = ModelUpdateGroup(address, port, world_size, rank, timeout_s=timeout_s,
+                                 member=f"generation actor {ray.get_runtime_context().get_actor_name()}")
+        self.update_group, self.update_token = group, token
+        return token
+
+    def update_group_state(self) -> str | None:
+        """The token of the usable update group this actor is in (None: none, or broken by a failed sync)."""
+        group = getattr(self, "update_group", None)
+        return self.update_token if group is not None and not group.broken and self.engine is not None else None
+
+    def receive_weights(self, key: str) -> int | None:
+        """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
+        if self.engine is None:
+            raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
+                               f"(a new actor, started after the last rollout), so it cannot take {key} in place")
+        self.key = None  # until every bucket is in: a torn engine serves no key
+        version = self.update_group.receive(self.engine)
+        self.key = key
+        return version
+
     def _build(self, model_dir: str):
         if self.engine_name == "vllm":
             from engines.modeling import load_tokenizer
@@ -374,7 +401,7 @@ class TrainWorker:
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
-             trainer_state: bool = True) -> tuple[dict, dict[str, bytes]]:
+             trainer_state: bool = True, keep_weights: bool = False) -> tuple[dict, dict[str, bytes]]:
         """One update (`update`) on a scored table; returns (metrics, checkpoint files as bytes, the
         critic under critic/). Under a multi-process strategy every rank returns the same metrics and
         only rank 0 the files. `trainer_state`: False leaves trainer_state.pt out of the checkpoint
@@ -403,6 +430,8 @@ class TrainWorker:
             critic_weights = self.critic_engine.strategy.full_state_dict()
         if self.rank != 0:
             return metrics, {}
+        # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then)
+        self.sync_weights = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if keep_weights else None
 
         def save(d: str) -> None:
             save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)
@@ -423,6 +452,49 @@ class TrainWorker:
                     with open(p, "rb") as f:
                         files[os.path.relpath(p, d)] = f.read()
         return metrics, files
+
+    def free_port(self) -> tuple[str, int]:
+        """(address, a free port) on this actor's node, for a model update group's store (tasks/live_sync.py)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join_update_group(self, address: str, port: int, world_size: int, token: str, timeout_s: float) -> str:
+        """Rank 0 (the sender) of the model update group `token` (engines/weight_update.py)."""
+        from engines.weight_update import ModelUpdateGroup
+
+        if getattr(self, "update_group", None) is not None:
+            self.update_group.close()
+        self.update_group = None
+        self.update_group = ModelUpdateGroup(address, port, world_size, 0, timeout_s=timeout_s, member="trainer rank 0")
+        self.update_token = token
+        return token
+
+    def update_group_state(self) -> str | None:
+        group = getattr(self, "update_group", None)
+        return self.update_token if group is not None and not group.broken else None
+
+    def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict:
+        """Send the weights of the last `step(keep_weights=True)` -- or, with none kept, a one-process
+        trainer's current weights -- to the group's engines as `version`; returns the sync's report
+        (engines/weight_update.py `SyncReport`) once every engine verified it."""
+        import dataclasses
+
+        from engines.lora import plain_model
+
+        weights = getattr(self, "sync_weights", None)
+        if weights is None and self.world_size == 1:
+            weights = self.engine.checkpoint_state_dict() or plain_model(self.engine.model).state_dict()
+        if weights is None:
+            raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False); a "
+                               "sharded trainer gathers them in the step")
+        try:
+            report = self.update_group.send(list(weights.items()), version=version, dtype=dtype, bucket_bytes=bucket_bytes)
+        finally:
+            self.sync_weights = None
+        return dataclasses.asdict(report)
 
     def update(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int,
                train_actor: bool = True) -> dict:

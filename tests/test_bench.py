@@ -262,6 +262,7 @@ def test_pipeline_modes_are_checked():
     assert parse_args(["--pipeline", "2"]).pipeline_modes == "shared,per-task,fused"
     assert parse_args(["--modes", "fused"]).pipeline_modes == "fused"
     assert parse_args(["--modes", "fused,async"]).pipeline_modes == "fused,async"
+    assert parse_args(["--modes", "fused,fused-live"]).pipeline_modes == "fused,fused-live"
     with pytest.raises(SystemExit) as e:
         parse_args(["--modes", "shared,ray"])
     assert e.value.code == 2

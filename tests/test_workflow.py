@@ -192,6 +192,20 @@ def test_fused_iterations_give_the_same_run_in_one_task(e2e_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_live_weight_sync_gives_the_same_run(e2e_run, tmp_path):
+    """sync.method: live, fused (loop.fuse 2) on the shared local Ray instance: the trainer sends each
+    new policy to the generation actors (tasks/live_sync.py), and the run is the store path's (e2e_run):
+    same rollout tables (so the generators sampled with the same weights), checkpoints and metrics."""
+    config = _config(tmp_path, loop={"fuse": 2}, sync={"method": "live", "bucket_mb": 1})
+    proc = _pyflyte_run(tmp_path, "--config", str(config))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert_same_run(e2e_run[0], tmp_path)
+    c, run = _mlflow(tmp_path)
+    synced = [(m.step, m.value) for m in c.get_metric_history(run.info.run_id, "weight_sync/live_bytes")]
+    assert [step for step, _ in synced] == [1, 2] and all(v > 0 for _, v in synced), synced
+
+
+@pytest.mark.slow
 def test_off_policy_generation_lags_one_version_and_is_corrected(tmp_path):
     """pipeline.off_policy_steps: 1 -- iteration i's rollout samples with v(i-2) while the update
     starts from v(i-1): every row names its sampler, the lag is logged, the update's truncated

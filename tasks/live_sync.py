@@ -1,0 +1,88 @@
+"""sync.method=live: the trainer actor sends each new policy version straight to the generation
+actors through a model update group (engines/weight_update.py), instead of the generators fetching
+the published checkpoint from the store.
+
+Called by the training stage right after its step (tasks/training.py), where the trainer and the
+generators are alive together: a fused task (tasks/fused.py) or a local run on one shared Ray
+instance (infra/ray_session.py). The group (rank 0 = training actor rank 0, ranks 1..N = the
+generation actors) is built once and reused while every member reports the same usable group; a new
+or restarted actor, or a failed sync, makes the next sync build a new one on a new port. The
+checkpoint is still published by weight_sync for lineage and resume; the generators then already
+serve its key, so the next rollout loads nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+from infra.ray_session import shared_local_ray
+from infra.resources import role_devices
+from tasks.pools import generation_actors
+from tasks.types import RunSpec
+
+
+class LiveSyncError(RuntimeError):
+    """A live sync that did not leave every generation engine serving the new version."""
+
+
+def check_live_sync(cfg, fused: bool) -> None:
+    """Refuse live sync where the training cluster is gone by the time the rollout starts."""
+    if not (fused or shared_local_ray()):
+        raise LiveSyncError("sync.method=live needs the trainer and the generation actors alive together (loop.fuse > 1, "
+                            "or a local run with FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage) the "
+                            "store is the hand-off, because the training cluster is gone when the rollout starts: set "
+                            "sync.method: store")
+
+
+def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
+    """Send `trainer`'s (rank 0's) weights of its last step to every generation actor as `version`
+    (published as `key`); returns the sync's report, with each engine's reported version. Raises
+    LiveSyncError naming every engine that failed or reports another version."""
+    gens = generation_actors(spec)
+    names = [f"flyroll/{spec.run_id}/generation/{i}" for i in range(len(gens))]
+    _ensure_group(trainer, gens, names, cfg.sync.timeout_s, version)
+    dtype = role_devices(cfg, "actor_infer")["actor_infer"][1]
+    sent = trainer.send_weights.remote(version, dtype, cfg.sync.bucket_mb << 20)
+    got = [g.receive_weights.remote(key) for g in gens]
+    problems, report = [], None
+    try:
+        report = ray.get(sent)
+    except Exception as e:  # noqa: BLE001 - reported with the engines' own errors below
+        problems.append(f"trainer: {_short(e)}")
+    for name, ref in zip(names, got):
+        try:
+            served = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a dead actor (RayActorError) or the engine's WeightSyncError
+            problems.append(f"generation engine {name}: {_short(e)}")
+            continue
+        if served != version:
+            problems.append(f"generation engine {name} serves v{served}, expected v{version}")
+    if problems:
+        raise LiveSyncError(f"live weight sync of policy v{version} ({key}) failed: " + "; ".join(problems))
+    return {**report, "engines": len(gens)}
+
+
+def _ensure_group(trainer, gens: list, names: list[str], timeout_s: float, version: int) -> None:
+    """The trainer and every generation actor in one usable update group; a new one when not."""
+    states, problems = [], []
+    for who, actor in [("trainer", trainer), *[(f"generation engine {n}", g) for n, g in zip(names, gens)]]:
+        try:
+            states.append(ray.get(actor.update_group_state.remote()))
+        except Exception as e:  # noqa: BLE001 - a dead actor
+            problems.append(f"{who}: {_short(e)}")
+    if problems:
+        raise LiveSyncError(f"live weight sync of policy v{version}: not started: " + "; ".join(problems))
+    if states[0] is not None and all(s == states[0] for s in states):
+        return
+    token = uuid.uuid4().hex
+    address, port = ray.get(trainer.free_port.remote())
+    world = len(gens) + 1
+    ray.get([trainer.join_update_group.remote(address, port, world, token, timeout_s),
+             *[g.join_update_group.remote(address, port, world, rank, token, timeout_s) for rank, g in enumerate(gens, 1)]])
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1][:400] if text else ''}"

@@ -1,0 +1,109 @@
+"""sync.method=live through real Ray actors (tasks/live_sync.py): the training actor sends its weights
+to the generation actors over a gloo model update group; every engine then holds the trainer's
+weights bit for bit (float32), reports the new version and serves the new key, so the next rollout
+loads nothing; a generation actor killed before the sync is an error naming it and the version.
+The whole run with live sync is tests/test_workflow.py `test_live_weight_sync_gives_the_same_run`."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from tests.support.workflow import REPO
+
+
+def _published(store, tiny_model_dir: str, tmp_path, run: str) -> str:
+    """v0000 = the tiny model, v0001 = the same with every weight moved (what a training step gives)."""
+    from engines.modeling import load_policy, save_policy
+
+    store.publish(tiny_model_dir, f"runs/{run}/policy/v0000", kind="checkpoint", producer="test")
+    model, tok = load_policy(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
+    store.publish(save_policy(model, tok, str(tmp_path / "v1")), f"runs/{run}/policy/v0001", kind="checkpoint", producer="test")
+    return str(tmp_path / "v1")
+
+
+@pytest.mark.slow
+def test_live_sync_gives_every_engine_the_trainers_weights_and_names_a_dead_one(tmp_path, monkeypatch, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from configs.schema import parse_config
+    from infra.store import ArtifactStore
+    from tasks.live_sync import LiveSyncError, live_sync
+    from tasks.pools import generation_pool
+    from tasks.training import train_workers
+    from tasks.types import PolicyRef, RunSpec
+
+    root, run = str(tmp_path / "store"), "live"
+    v1_dir = _published(ArtifactStore(root), tiny_model_dir, tmp_path, run)
+    cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 2},
+                        "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 5}})
+    spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))  # the actors inherit the driver's env
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        gens = generation_pool(spec, PolicyRef(key=f"runs/{run}/policy/v0000", version=0))   # as after a rollout
+        (trainer,) = train_workers(cfg, run)
+        ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
+
+        report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
+        assert report["version"] == 1 and report["engines"] == 2 and report["dtype"] == "float32"
+        assert report["buckets"] >= 1 and report["bytes"] > 0
+
+        sent = ray.get(trainer.__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.model.state_dict().items()}))
+        published = load_file(f"{v1_dir}/model.safetensors")
+        for g in gens:
+            key, version, held = ray.get(g.__ray_call__.remote(
+                lambda w: (w.key, w.engine.version, {k: v.clone() for k, v in w.engine.model.state_dict().items()})))
+            assert (key, version) == (f"runs/{run}/policy/v0001", 1)
+            assert held.keys() == sent.keys()
+            assert all(torch.equal(held[k], sent[k]) for k in sent)              # bitwise, float32
+            assert all(torch.equal(held[k], published[k]) for k in published)    # = the published checkpoint
+            # the next rollout finds the key already served: nothing fetched, nothing loaded
+            assert ray.get(g.load.remote(spec, f"runs/{run}/policy/v0001")) == "cached"
+
+        # a second sync reuses the group
+        assert live_sync(spec, cfg, trainer, 2, f"runs/{run}/policy/v0002")["version"] == 2
+
+        ray.kill(gens[1], no_restart=True)
+        with pytest.raises(LiveSyncError, match=rf"policy v3 .*generation engine flyroll/{run}/generation/1") as err:
+            live_sync(spec, cfg, trainer, 3, f"runs/{run}/policy/v0003")
+        assert "holds no policy to update" in str(err.value)   # the actor started in its place
+    finally:
+        ray.shutdown()
+
+
+def test_live_sync_is_refused_in_per_task_mode_and_with_a_lag(monkeypatch):
+    from configs.schema import parse_config
+
+    monkeypatch.setenv("FLYROLL_RAY", "per-task")
+    with pytest.raises(ValueError, match=r"per-task mode .*the store is the hand-off.*training cluster is gone"):
+        parse_config({"sync": {"method": "live"}})
+    assert parse_config({"sync": {"method": "live"}, "loop": {"fuse": 2}}).sync.method == "live"   # one cluster
+    assert parse_config({"sync": {"method": "live", "bucket_mb": 8}, "loop": {"fuse": 2}}).hash() == \
+        parse_config({"loop": {"fuse": 2}}).hash()                  # same bits to the generators: same run
+    monkeypatch.setenv("FLYROLL_RAY", "shared")
+    with pytest.raises(ValueError, match=r"sync.method=live with pipeline.off_policy_steps=1"):
+        parse_config({"sync": {"method": "live"}, "pipeline": {"off_policy_steps": 1}, "algorithm": {"tis_cap": 2.0}})
+
+
+def test_live_sync_unfused_on_a_flyte_cluster_is_refused_by_the_first_task():
+    from configs.schema import parse_config
+    from tasks.prepare import check_remote_sync
+
+    remote = {"FLYTE_INTERNAL_EXECUTION_ID": "f3a9c1d2"}
+    with pytest.raises(ValueError, match=r"loop.fuse=1 on a Flyte cluster: in per-task mode .*store is the hand-off"):
+        check_remote_sync(parse_config({"sync": {"method": "live"}}), remote)
+    check_remote_sync(parse_config({"sync": {"method": "live"}, "loop": {"fuse": 4}}), remote)   # one cluster: allowed
+    check_remote_sync(parse_config({"sync": {"method": "live"}}), {})                            # local shared Ray: allowed
+
+
+def test_a_bucket_below_the_largest_tensor_is_a_clear_error():
+    from engines.weight_update import plan_buckets
+
+    with pytest.raises(ValueError, match=r"below the largest tensor: big \[1024, 1024\] .*set bucket_bytes >= 4194304"):
+        plan_buckets([("small", (4,)), ("big", (1024, 1024))], torch.float32, 1 << 20)
