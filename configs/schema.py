@@ -330,6 +330,8 @@ class FlyrollConfig(_Section):
         if self.rollout.score_while_generating and self.env is not None:
             raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
                              "scores each episode's steps in the environment: set it false")
+        if self.env is not None:
+            self._check_agentic()
         if self.loop.fuse > 1 and self.env is not None:
             raise ValueError(f"loop.fuse={self.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
                              "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")
@@ -384,6 +386,29 @@ class FlyrollConfig(_Section):
         if self.env is None:
             self._check_data_size()
         return self
+
+    def _check_agentic(self) -> None:
+        """Refuse the RLVR-only options an agentic run (env set) would otherwise ignore: its rollout
+        (tasks/agentic.py) plays B seeds x G episodes once, with no rollout scheduler to drop and refill
+        groups, no data split and no reward workers (the reward is the environment's return)."""
+        a = self.algorithm
+        refused = [(name, why) for name, on, why in (
+            ("algorithm.filter_groups", a.filter_groups, "dynamic sampling (drop all-equal groups and refill) runs in "
+             "the RLVR rollout scheduler; the agentic rollout does not refill"),
+            ("algorithm.mask_truncated", a.mask_truncated, "it masks finish_reason 'length'; an episode cut by "
+             "env.max_context_tokens ends 'truncated' and would never be masked"),
+            ("rollout.chunk_prompts", self.rollout.chunk_prompts is not None, "it sizes the RLVR rollout scheduler's "
+             "requests; the agentic rollout shards seeds over the generation workers"),
+            ("loop.eval_samples", self.loop.eval_samples > 0, "agentic evaluation samples with env.eval_temperature "
+             "and env.eval_samples_per_seed"),
+        ) if on]
+        for model, why in ((self.data, "episodes start from env seeds, not a data split"),
+                           (self.reward, "no reward workers start: the reward is the environment's return")):
+            section, default = "data" if model is self.data else "reward", type(model)()
+            refused += [(f"{section}.{k}", why) for k in type(model).model_fields if getattr(model, k) != getattr(default, k)]
+        if refused:
+            raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)
+                             + ": leave those at their defaults")
 
     def _check_data_size(self) -> None:
         """What the data section says about the train split before it is built: the domains it holds
