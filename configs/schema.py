@@ -254,6 +254,11 @@ class EnvConfig(_Section):
     kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
     max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
+    workers: int = Field(0, ge=0, le=1024, description="Environment worker pool (infra/env_pool.py): N > 0 = the environments live in N Ray actors of their own (env.worker_cpus each, many environments per actor) and the asynchronous manager (engines/async_env_manager.py) plays every episode as its own loop, its generation requests batched across episodes onto the generation actors, so a slow step delays only its episode; an env worker that dies has its episodes restarted (env.max_retries) or dropped with their group, counted in env_manager/*. 0 = the lock-step manager inside each generation actor (one batched generate per turn).")
+    worker_cpus: float = Field(1.0, gt=0, le=64, description="env.workers > 0: CPUs Ray reserves for each env worker actor, in the rollout's and evaluation's Ray cluster beside the generation actors.")
+    worker_concurrency: int = Field(16, ge=1, le=4096, description="env.workers > 0: calls (reset/step) one env worker runs at once, on threads; a hung step holds one of them until the manager's env.step_timeout_s kills its actor.")
+    step_timeout_s: float = Field(60.0, gt=0, le=3600, description="env.workers > 0: a reset or step past this ends its episode with env_timeout (a reset is retried) and the actor running it is killed and replaced.")
+    max_retries: int = Field(1, ge=0, le=16, description="env.workers > 0: restarts (from its reset, on another actor) of an episode whose env worker died; past them the episode is dropped with its group and counted.")
     eval_episodes: int = Field(64, ge=1, description="Held-out seeds (fixed, never trained on) for eval/success_rate and the other eval/* metrics.")
     eval_temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy held-out episodes (one per seed). > 0 = the eval/* metrics come from sampled episodes at this temperature, eval_samples_per_seed per seed, with one fixed sampling seed for every checkpoint (common random numbers, so checkpoints are compared on the same draws); the greedy metrics are then logged as eval/greedy/*.")
     eval_samples_per_seed: int = Field(1, ge=1, le=64, description="Sampled episodes per held-out seed when eval_temperature > 0.")
@@ -406,6 +411,11 @@ class FlyrollConfig(_Section):
                            (self.reward, "no reward workers start: the reward is the environment's return")):
             section, default = "data" if model is self.data else "reward", type(model)()
             refused += [(f"{section}.{k}", why) for k in type(model).model_fields if getattr(model, k) != getattr(default, k)]
+        if not self.env.workers:
+            default = EnvConfig(name=self.env.name)
+            refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
+                        for k in ("worker_cpus", "worker_concurrency", "step_timeout_s", "max_retries")
+                        if getattr(self.env, k) != getattr(default, k)]
         if refused:
             raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)
                              + ": leave those at their defaults")

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from engines.env_workers import EnvHost, EnvWorkerLost, ResetResult, StepResult
 from engines.envs import TextEnv
@@ -64,17 +64,28 @@ class RayEnvPool:
     environments ``factory`` makes (picklable: engines/env_workers.py ``EnvSpec``). Needs a connected
     Ray (``ray.init`` or a Flyte Ray task)."""
 
-    def __init__(self, factory: Callable[[], TextEnv], workers: int = 2, cpus: float = 1.0, concurrency: int = 16):
+    def __init__(self, factory: Callable[[], TextEnv], workers: int = 2, cpus: float = 1.0, concurrency: int = 16,
+                 ready_timeout_s: float = 120.0):
         if workers < 1 or cpus <= 0 or concurrency < 1:
             raise ValueError(f"RayEnvPool needs workers >= 1, cpus > 0 and concurrency >= 1; got workers={workers}, "
                              f"cpus={cpus}, concurrency={concurrency}")
+        total = ray.cluster_resources().get("CPU", 0.0)
+        if workers * cpus > total:
+            raise ValueError(f"env.workers={workers} x env.worker_cpus={cpus:g} = {workers * cpus:g} CPUs, but the Ray "
+                             f"cluster has {total:g}: lower env.workers or env.worker_cpus, or give the stage more CPUs")
         self.factory, self.cpus, self.concurrency = factory, cpus, concurrency
         self._lock = threading.Lock()
         self._where: dict[str, _Worker] = {}
         self.workers_lost = 0
         self._closed = False
         self.workers = [self._start() for _ in range(workers)]
-        ray.get([w.actor.ready.remote() for w in self.workers])  # actors that cannot start fail here
+        try:
+            ray.get([w.actor.ready.remote() for w in self.workers], timeout=ready_timeout_s)
+        except GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(f"{workers} env worker actor(s) of {cpus:g} CPUs did not start within {ready_timeout_s:g} s; "
+                               f"free on the Ray cluster: {ray.available_resources().get('CPU', 0.0):g} CPUs (others hold "
+                               "the rest): lower env.workers or env.worker_cpus") from None
 
     def _start(self) -> _Worker:
         actor = _Actor.options(num_cpus=self.cpus, max_concurrency=self.concurrency, max_restarts=0).remote(self.factory)

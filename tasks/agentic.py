@@ -16,8 +16,12 @@ import pandas as pd
 import ray
 from flytekit import task
 
+from engines.async_env_manager import run_groups
 from engines.env_manager import episode_metrics
+from engines.env_workers import EnvSpec
+from engines.generation_router import BatchingRouter
 from infra import tracking
+from infra.env_pool import RayEnvPool
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import check_columns, config_of, stage
@@ -39,13 +43,18 @@ def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = N
 
 
 def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
-          temperature: float | None = None):
+          temperature: float | None = None) -> tuple[list, dict[str, float]]:
+    """(episodes, manager metrics): lock-step in the generation actors, or (env.workers > 0) the
+    asynchronous manager against the env worker pool."""
     cfg = config_of(spec)
     e = cfg.env
     workers = generation_pool(spec, policy)
+    params = _params(cfg, greedy, iteration, temperature)
+    if e.workers:
+        return _play_async(cfg, workers, policy.version, seeds, group_size, params)
     shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
     futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
-                                 _params(cfg, greedy, iteration, temperature), dict(e.kwargs), cfg.model.apply_chat_template)
+                                 params, dict(e.kwargs), cfg.model.apply_chat_template)
                for w, shard in zip(workers, shards)]
     episodes = []
     for shard_index, eps in enumerate(ray.get(futures)):
@@ -53,7 +62,37 @@ def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, g
         for ep in eps:
             ep.group_id += offset
             episodes.append(ep)
-    return episodes
+    return episodes, {}
+
+
+class _RemoteEngine:
+    """A generation actor as the router's engine: one `generate` call per batch the router forms."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def generate(self, prompt_token_ids, params):
+        return ray.get(self.actor.generate.remote(prompt_token_ids, params))
+
+
+def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params) -> tuple[list, dict[str, float]]:
+    """Every episode its own loop (engines/async_env_manager.py): environments in the env worker
+    pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`."""
+    e = cfg.env
+    tokenizer = ray.get(workers[0].tokenizer_copy.remote())
+    router = BatchingRouter([_RemoteEngine(w) for w in workers], max_batch=cfg.rollout.micro_batch, policy_version=version)
+    pool = None
+    try:
+        pool = RayEnvPool(EnvSpec(e.name, dict(e.kwargs)), workers=e.workers, cpus=e.worker_cpus,
+                          concurrency=e.worker_concurrency)
+        out = run_groups(router, pool, tokenizer, e.name, seeds, group_size=group_size, max_turns=e.max_turns,
+                         max_context_tokens=e.max_context_tokens, sampling=params, chat=cfg.model.apply_chat_template,
+                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries)
+    finally:
+        router.close()
+        if pool is not None:
+            pool.shutdown()
+    return out.episodes, out.metrics
 
 
 def _finish_reason(ep) -> str:
@@ -62,14 +101,15 @@ def _finish_reason(ep) -> str:
 
 def episode_rows(episodes: list, iteration: int, domain: str, version: int) -> pd.DataFrame:
     """The rollout table of `episodes` (engines/env_manager.py Episode): one row per episode, the
-    RLVR rollout columns plus the agentic ones (tasks/types.py COLUMNS)."""
+    RLVR rollout columns plus the agentic ones (tasks/types.py COLUMNS). policy_version: the oldest
+    policy among the episode's turns where the asynchronous manager recorded them, else `version`."""
     return pd.DataFrame([{
         "prompt_id": f"seed-{ep.seed}", "group_id": f"{iteration}:{ep.group_id}", "sample_id": ep.sample_id,
         "domain": domain, "prompt": ep.prompt, "answer": None, "tests": None, "metadata": None,
         "prompt_token_ids": ep.prompt_token_ids, "response": ep.transcript, "response_token_ids": ep.response_token_ids,
         "behaviour_logprobs": ep.behaviour_logprobs, "loss_mask": ep.loss_mask, "turn_index": ep.turn_index,
         "turn_rewards": ep.turn_rewards, "state_keys": json.dumps(ep.state_keys), "finish_reason": _finish_reason(ep),
-        "policy_version": version, "env_return": ep.episode_return, "success": bool(ep.success),
+        "policy_version": min(ep.policy_versions, default=version), "env_return": ep.episode_return, "success": bool(ep.success),
         "turns": ep.turns, "num_effective": ep.num_effective, "num_invalid": ep.num_invalid,
         "env_error": ep.env_error,
     } for ep in episodes])
@@ -91,9 +131,10 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
         seeds = [TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B + i for i in range(B)]
-        episodes = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
+        episodes, manager = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
         df = episode_rows(episodes, iteration, cfg.env.name, policy.version)
         check_columns(df, "rollout", at="leaving rollout_episodes")
+        metrics.update(manager)
         metrics.update(episode_metrics(episodes, prefix="env"))
         metrics["rollout/response_length"] = float(df["response_token_ids"].map(len).mean())
         metrics["rollout/policy_tokens"] = float(df["loss_mask"].map(sum).sum())
@@ -127,11 +168,11 @@ def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
     with stage(spec, "evaluation", policy.version, metrics):
         seeds = [EVAL_SEED0 + i for i in range(e.eval_episodes)]
         if e.eval_temperature > 0:
-            episodes = _play(spec, policy, seeds, e.eval_samples_per_seed, greedy=False, iteration=EVAL_SAMPLING_OFFSET,
-                             temperature=e.eval_temperature)
-            metrics.update(episode_metrics(_play(spec, policy, seeds, 1, greedy=True), prefix="eval/greedy"))
+            episodes, _ = _play(spec, policy, seeds, e.eval_samples_per_seed, greedy=False, iteration=EVAL_SAMPLING_OFFSET,
+                                temperature=e.eval_temperature)
+            metrics.update(episode_metrics(_play(spec, policy, seeds, 1, greedy=True)[0], prefix="eval/greedy"))
         else:
-            episodes = _play(spec, policy, seeds, 1, greedy=True)
+            episodes, _ = _play(spec, policy, seeds, 1, greedy=True)
         m = episode_metrics(episodes, prefix="eval")
         metrics.update(m)
         metrics["eval/accuracy"] = m["eval/success_rate"]

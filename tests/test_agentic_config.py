@@ -43,3 +43,18 @@ def test_agentic_refusal_lists_every_field_at_once():
         load_config(PRESET, ["algorithm.filter_groups=true", "loop.eval_samples=2"])
     assert "algorithm.filter_groups" in str(info.value) and "loop.eval_samples" in str(info.value)
     assert "dynamic sampling" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3"])
+def test_env_pool_options_need_env_workers(field):
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, [f"env.{field}"])
+    assert f"env.{field.split('=')[0]}" in str(info.value) and "env.workers: 0" in str(info.value)
+    cfg = load_config(PRESET, ["env.workers=2", f"env.{field}"])
+    assert cfg.env.workers == 2
+
+
+def test_env_workers_out_of_range_is_refused():
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["env.workers=-1"])
+    assert "env.workers" in str(info.value)
