@@ -398,14 +398,14 @@ class FlyrollConfig(_Section):
         groups, no data split and no reward workers (the reward is the environment's return)."""
         a = self.algorithm
         refused = [(name, why) for name, on, why in (
-            ("algorithm.filter_groups", a.filter_groups, "dynamic sampling (drop all-equal groups and refill) runs in "
-             "the RLVR rollout scheduler; the agentic rollout does not refill"),
-            ("algorithm.mask_truncated", a.mask_truncated, "it masks finish_reason 'length'; an episode cut by "
-             "env.max_context_tokens ends 'truncated' and would never be masked"),
-            ("rollout.chunk_prompts", self.rollout.chunk_prompts is not None, "it sizes the RLVR rollout scheduler's "
-             "requests; the agentic rollout shards seeds over the generation workers"),
-            ("loop.eval_samples", self.loop.eval_samples > 0, "agentic evaluation samples with env.eval_temperature "
-             "and env.eval_samples_per_seed"),
+            ("algorithm.filter_groups", a.filter_groups, ("dynamic sampling (drop all-equal groups and refill) runs "
+             "in the RLVR rollout scheduler; the agentic rollout does not refill")),
+            ("algorithm.mask_truncated", a.mask_truncated, ("it masks finish_reason 'length'; an episode cut by "
+             "env.max_context_tokens ends 'truncated' and would never be masked")),
+            ("rollout.chunk_prompts", self.rollout.chunk_prompts is not None, ("it sizes the RLVR rollout scheduler's "
+             "requests; the agentic rollout shards seeds over the generation workers")),
+            ("loop.eval_samples", self.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
+             "and env.eval_samples_per_seed")),
         ) if on]
         for model, why in ((self.data, "episodes start from env seeds, not a data split"),
                            (self.reward, "no reward workers start: the reward is the environment's return")):

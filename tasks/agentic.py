@@ -29,7 +29,6 @@ from tasks.pools import generation_pool, rollout_sampling
 from tasks.prompts import EVAL_SEED0, TRAIN_SEED0
 from tasks.types import PolicyRef, RunSpec
 
-
 EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for every checkpoint
 
 

@@ -62,8 +62,8 @@ def test_ray_pool_with_the_tiny_policy_greedy(ray_local):
     def factory():
         return HFGenerationEngine(model.eval(), tok)
     factory.tok = tok
-    kw = dict(engine_factory=factory, env_kwargs={"size": 4}, max_turns=4, max_context_tokens=500,
-              sampling=SamplingParams(temperature=0.0, max_new_tokens=6, stop=("\n",)))
+    kw = {"engine_factory": factory, "env_kwargs": {"size": 4}, "max_turns": 4, "max_context_tokens": 500,
+          "sampling": SamplingParams(temperature=0.0, max_new_tokens=6, stop=("\n",))}
     ref = lockstep("frozenlake", [0, 1, 2], **kw)
     out = run_async("frozenlake", [0, 1, 2], pool=_pool(EnvSpec("frozenlake", {"size": 4})), **kw)
     assert len(out.episodes) == len(ref) == 6
@@ -102,3 +102,17 @@ def test_a_raising_or_hanging_environment_ends_only_its_episode(ray_local, fault
     assert fields(by_seed[0]) == fields(ref[0]) and fields(by_seed[3]) == fields(ref[3])
     assert out.metrics["env_manager/env_errors"] == 1 and out.metrics["env_manager/env_timeouts"] == 1
     assert out.metrics["env_workers/lost"] == 1                                 # the hung step's actor was killed
+
+
+@pytest.mark.nightly   # ~105 s on 2 cores (bootstrap, 2 iterations, 2 evaluations): over the slow tier's 60 s
+@pytest.mark.timeout(1200)
+def test_agentic_workflow_with_env_workers(tmp_path):
+    """workflows/agentic.py with env.workers: the rollout and evaluation play through the Ray env pool."""
+    from tests.support.agentic import _history, _run
+
+    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", env={"workers": 2, "worker_cpus": 0.5},
+                     loop={"eval_every": 2})
+    assert [v for _, v in _history(c, run, "env_workers/actors")] == [2.0, 2.0]
+    assert [v for _, v in _history(c, run, "env_manager/groups_kept")] == [2.0, 2.0]    # B = 2 seeds per iteration
+    assert [v for _, v in _history(c, run, "env_manager/staleness_max")] == [0.0, 0.0]  # on-policy
+    assert _history(c, run, "eval/success_rate") and _history(c, run, "actor/pg_loss")
