@@ -398,8 +398,8 @@ class FlyrollConfig(_Section):
         groups, no data split and no reward workers (the reward is the environment's return)."""
         a = self.algorithm
         refused = [(name, why) for name, on, why in (
-            ("algorithm.filter_groups", a.filter_groups, ("dynamic sampling (drop all-equal groups and refill) runs "
-             "in the RLVR rollout scheduler; the agentic rollout does not refill")),
+            ("algorithm.filter_groups", a.filter_groups and not self.env.workers, ("dynamic sampling (drop "
+             "all-equal groups and refill) is built for the asynchronous manager only: set env.workers > 0")),
             ("algorithm.mask_truncated", a.mask_truncated, ("it masks finish_reason 'length'; an episode cut by "
              "env.max_context_tokens ends 'truncated' and would never be masked")),
             ("rollout.chunk_prompts", self.rollout.chunk_prompts is not None, ("it sizes the RLVR rollout scheduler's "

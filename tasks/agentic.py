@@ -41,16 +41,24 @@ def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = N
                             temperature=0.0 if greedy else (r.temperature if temperature is None else temperature))
 
 
+def _has_signal(group: list) -> bool:
+    """Dynamic sampling's filter (DAPO): a group whose episode returns are all equal has zero advantage."""
+    return len({ep.episode_return for ep in group}) > 1
+
+
 def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
-          temperature: float | None = None) -> tuple[list, dict[str, float]]:
+          temperature: float | None = None, groups_wanted: int | None = None, keep=None) -> tuple[list, dict[str, float]]:
     """(episodes, manager metrics): lock-step in the generation actors, or (env.workers > 0) the
-    asynchronous manager against the env worker pool."""
+    asynchronous manager against the env worker pool, keeping `groups_wanted` groups (default: all)
+    that pass `keep` (the config check allows `keep` with env.workers > 0 only)."""
     cfg = config_of(spec)
     e = cfg.env
     workers = generation_pool(spec, policy)
     params = _params(cfg, greedy, iteration, temperature)
     if e.workers:
-        return _play_async(cfg, workers, policy.version, seeds, group_size, params)
+        return _play_async(cfg, workers, policy.version, seeds, group_size, params, groups_wanted, keep)
+    if keep is not None or groups_wanted not in (None, len(seeds)):
+        raise ValueError("the lock-step manager plays every seed's group: group filtering needs env.workers > 0")
     shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
     futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
                                  params, dict(e.kwargs), cfg.model.apply_chat_template)
@@ -74,7 +82,8 @@ class _RemoteEngine:
         return ray.get(self.actor.generate.remote(prompt_token_ids, params))
 
 
-def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params) -> tuple[list, dict[str, float]]:
+def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params, groups_wanted: int | None,
+                keep) -> tuple[list, dict[str, float]]:
     """Every episode its own loop (engines/async_env_manager.py): environments in the env worker
     pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`."""
     e = cfg.env
@@ -86,7 +95,7 @@ def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: 
                           concurrency=e.worker_concurrency)
         out = run_groups(router, pool, tokenizer, e.name, seeds, group_size=group_size, max_turns=e.max_turns,
                          max_context_tokens=e.max_context_tokens, sampling=params, chat=cfg.model.apply_chat_template,
-                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries)
+                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries, groups_wanted=groups_wanted, keep=keep)
     finally:
         router.close()
         if pool is not None:
@@ -129,8 +138,11 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
     B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
-        seeds = [TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B + i for i in range(B)]
-        episodes, manager = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
+        rounds = cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else 1
+        base = TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B * rounds
+        seeds = [base + i for i in range(B * rounds)]   # filter_groups: B wanted, the rest refill rejected groups
+        episodes, manager = _play(spec, policy, seeds, G, greedy=False, iteration=iteration, groups_wanted=B,
+                                  keep=_has_signal if cfg.algorithm.filter_groups else None)
         df = episode_rows(episodes, iteration, cfg.env.name, policy.version)
         check_columns(df, "rollout", at="leaving rollout_episodes")
         metrics.update(manager)

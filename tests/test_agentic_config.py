@@ -32,6 +32,14 @@ def test_agentic_config_refuses_rlvr_only_option(override, field):
     assert field in str(info.value)
 
 
+def test_filter_groups_is_allowed_with_env_workers():
+    cfg = load_config(PRESET, ["algorithm.filter_groups=true", "env.workers=2"])
+    assert cfg.algorithm.filter_groups and cfg.env.workers == 2
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["algorithm.filter_groups=true"])
+    assert "algorithm.filter_groups" in str(info.value) and "env.workers > 0" in str(info.value)
+
+
 def test_same_options_still_load_for_rlvr():
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["algorithm.filter_groups=true", "algorithm.mask_truncated=true",
                                                         "rollout.chunk_prompts=2", "loop.eval_samples=4"])

@@ -300,3 +300,30 @@ def test_policy_versions_are_recorded_per_turn(monkeypatch):
     # the first seed-0 episode to reach its turn-1 step generated turns 0 and 1 before it published
     assert [0, 0, 1, 1] in [ep.policy_versions for ep in out.episodes if ep.seed == 0]
     assert out.metrics["env_manager/staleness_max"] == max(staleness(ep, 1) for ep in out.episodes) == 1
+
+
+def test_keep_filters_groups_and_refills_from_the_next_seeds():
+    """Dynamic sampling: `wanted` groups run at a time; a rejected group is counted and replaced by the
+    next seed's group; the kept groups are the lock-step reference's episodes for their seeds."""
+    ref = {(e.seed, e.sample_id): e for e in lockstep("frozenlake", list(range(6)), env_kwargs={"size": 4})}
+    out = run_async("frozenlake", list(range(6)), env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: g[0].seed % 2 == 0)
+    assert sorted({e.seed for e in out.episodes}) == [0, 2] and len(out.episodes) == 4
+    assert all(fields(e) == fields(ref[(e.seed, e.sample_id)]) | {"group_id": e.group_id} for e in out.episodes)
+    m = out.metrics
+    assert m["env_manager/groups_filtered"] >= 1 and m["env_manager/groups_kept"] == 2
+    assert m["env_manager/groups_launched"] < 6                                        # refills only as needed
+    assert m["env_manager/groups_kept"] + m["env_manager/groups_filtered"] + m["env_manager/groups_aborted"] \
+        == m["env_manager/groups_launched"]
+
+
+def test_keep_with_the_seeds_spent_keeps_fewer_groups():
+    out = run_async("frozenlake", [0, 1, 2], env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: g[0].seed == 0)
+    assert {e.seed for e in out.episodes} == {0}
+    assert out.metrics["env_manager/groups_filtered"] == 2 and out.metrics["env_manager/groups_launched"] == 3
+    assert out.metrics["env_manager/filter_fallback"] == 0
+
+
+def test_keep_rejecting_every_group_falls_back_to_the_first_rejected():
+    out = run_async("frozenlake", [0, 1, 2], env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: False)
+    assert len({e.seed for e in out.episodes}) == 2 and out.metrics["env_manager/filter_fallback"] == 1
+    assert out.metrics["env_manager/groups_filtered"] == 3 and out.metrics["env_manager/groups_launched"] == 3
