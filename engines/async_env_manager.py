@@ -13,6 +13,8 @@ managers give identical episodes for the same seeds (tests/test_async_env_manage
 Groups: ``len(seeds)`` groups of ``group_size`` episodes are launched (launch more than you need);
 a group is complete when all its episodes are. The batch is the first ``groups_wanted`` complete
 groups; the rest are cancelled (their pending generation requests dropped unsent) and counted.
+With a ``keep`` predicate (dynamic sampling) only ``groups_wanted`` groups run at a time and a
+rejected group is replaced by the next seed's (``rollout_groups``).
 
 Failures, each costing what it must and counted in the metrics:
 - the environment raises in ``step``: that episode ends, ``env_error`` set (as in lock-step);
