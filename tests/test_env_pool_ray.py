@@ -104,15 +104,19 @@ def test_a_raising_or_hanging_environment_ends_only_its_episode(ray_local, fault
     assert out.metrics["env_workers/lost"] == 1                                 # the hung step's actor was killed
 
 
-@pytest.mark.nightly   # ~105 s on 2 cores (bootstrap, 2 iterations, 2 evaluations): over the slow tier's 60 s
+@pytest.mark.nightly   # ~100 s on 2 cores (bootstrap, 2 iterations, 2 evaluations): over the slow tier's 60 s
 @pytest.mark.timeout(1200)
-def test_agentic_workflow_with_env_workers(tmp_path):
-    """workflows/agentic.py with env.workers: the rollout and evaluation play through the Ray env pool."""
+def test_agentic_workflow_with_env_workers_and_dynamic_sampling(tmp_path):
+    """workflows/agentic.py with env.workers and algorithm.filter_groups: the rollout and evaluation play
+    through the Ray env pool; groups with all-equal returns are refilled from further seeds."""
     from tests.support.agentic import _history, _run
 
     c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", env={"workers": 2, "worker_cpus": 0.5},
-                     loop={"eval_every": 2})
-    assert [v for _, v in _history(c, run, "env_workers/actors")] == [2.0, 2.0]
-    assert [v for _, v in _history(c, run, "env_manager/groups_kept")] == [2.0, 2.0]    # B = 2 seeds per iteration
-    assert [v for _, v in _history(c, run, "env_manager/staleness_max")] == [0.0, 0.0]  # on-policy
+                     loop={"eval_every": 2}, algorithm={"filter_groups": True, "max_generation_rounds": 3})
+    values = lambda key: [v for _, v in _history(c, run, key)]
+    assert values("env_workers/actors") == [2.0, 2.0] and values("env_manager/staleness_max") == [0.0, 0.0]
+    assert values("env_manager/groups_kept") == [2.0, 2.0]                       # B = 2 groups per iteration
+    assert all(2 <= n <= 6 for n in values("env_manager/groups_launched"))       # B x max_generation_rounds seeds at most
+    for fallback, all_equal in zip(values("env_manager/filter_fallback"), values("reward/groups_all_equal_frac")):
+        assert fallback == 1.0 or all_equal == 0.0                               # kept groups carry signal
     assert _history(c, run, "eval/success_rate") and _history(c, run, "actor/pg_loss")
