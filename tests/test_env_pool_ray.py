@@ -14,9 +14,9 @@ from engines.env_workers import EnvSpec
 from engines.envs import ENVIRONMENTS
 from engines.generation import HFGenerationEngine, SamplingParams
 from engines.modeling import build_tiny_policy
+from tests.support.async_envs import fields, lockstep, run_async
 from tests.support.env_faults import FaultyLake
 from tests.support.workflow import REPO
-from tests.test_async_env_manager import fields, lockstep, run_async
 
 pytestmark = pytest.mark.slow
 
