@@ -270,6 +270,11 @@ class EnvConfig(_Section):
     kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
     max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
+    workers: int = Field(0, ge=0, le=1024, description="Environment worker pool (infra/env_pool.py): N > 0 = the environments live in N Ray actors of their own (env.worker_cpus each, many environments per actor) and the asynchronous manager (engines/async_env_manager.py) plays every episode as its own loop, its generation requests batched across episodes onto the generation actors, so a slow step delays only its episode; an env worker that dies has its episodes restarted (env.max_retries) or dropped with their group, counted in env_manager/*. 0 = the lock-step manager inside each generation actor (one batched generate per turn).")
+    worker_cpus: float = Field(1.0, gt=0, le=64, description="env.workers > 0: CPUs Ray reserves for each env worker actor, in the rollout's and evaluation's Ray cluster beside the generation actors.")
+    worker_concurrency: int = Field(16, ge=1, le=4096, description="env.workers > 0: calls (reset/step) one env worker runs at once, on threads; a hung step holds one of them until the manager's env.step_timeout_s kills its actor.")
+    step_timeout_s: float = Field(60.0, gt=0, le=3600, description="env.workers > 0: a reset or step past this ends its episode with env_timeout (a reset is retried) and the actor running it is killed and replaced.")
+    max_retries: int = Field(1, ge=0, le=16, description="env.workers > 0: restarts (from its reset, on another actor) of an episode whose env worker died; past them the episode is dropped with its group and counted.")
     eval_episodes: int = Field(64, ge=1, description="Held-out seeds (fixed, never trained on) for eval/success_rate and the other eval/* metrics.")
     eval_temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 = greedy held-out episodes (one per seed). > 0 = the eval/* metrics come from sampled episodes at this temperature, eval_samples_per_seed per seed, with one fixed sampling seed for every checkpoint (common random numbers, so checkpoints are compared on the same draws); the greedy metrics are then logged as eval/greedy/*.")
     eval_samples_per_seed: int = Field(1, ge=1, le=64, description="Sampled episodes per held-out seed when eval_temperature > 0.")
@@ -367,6 +372,8 @@ class FlyrollConfig(_Section):
         if self.rollout.score_while_generating and self.env is not None:
             raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
                              "scores each episode's steps in the environment: set it false")
+        if self.env is not None:
+            self._check_agentic()
         if self.loop.fuse > 1 and self.env is not None:
             raise ValueError(f"loop.fuse={self.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
                              "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")
@@ -421,6 +428,34 @@ class FlyrollConfig(_Section):
         if self.env is None:
             self._check_data_size()
         return self
+
+    def _check_agentic(self) -> None:
+        """Refuse the RLVR-only options an agentic run (env set) would otherwise ignore: its rollout
+        (tasks/agentic.py) plays B seeds x G episodes once, with no rollout scheduler to drop and refill
+        groups, no data split and no reward workers (the reward is the environment's return)."""
+        a = self.algorithm
+        refused = [(name, why) for name, on, why in (
+            ("algorithm.filter_groups", a.filter_groups and not self.env.workers, ("dynamic sampling (drop "
+             "all-equal groups and refill) is built for the asynchronous manager only: set env.workers > 0")),
+            ("algorithm.mask_truncated", a.mask_truncated, ("it masks finish_reason 'length'; an episode cut by "
+             "env.max_context_tokens ends 'truncated' and would never be masked")),
+            ("rollout.chunk_prompts", self.rollout.chunk_prompts is not None, ("it sizes the RLVR rollout scheduler's "
+             "requests; the agentic rollout shards seeds over the generation workers")),
+            ("loop.eval_samples", self.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
+             "and env.eval_samples_per_seed")),
+        ) if on]
+        for model, why in ((self.data, "episodes start from env seeds, not a data split"),
+                           (self.reward, "no reward workers start: the reward is the environment's return")):
+            section, default = "data" if model is self.data else "reward", type(model)()
+            refused += [(f"{section}.{k}", why) for k in type(model).model_fields if getattr(model, k) != getattr(default, k)]
+        if not self.env.workers:
+            default = EnvConfig(name=self.env.name)
+            refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
+                        for k in ("worker_cpus", "worker_concurrency", "step_timeout_s", "max_retries")
+                        if getattr(self.env, k) != getattr(default, k)]
+        if refused:
+            raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)
+                             + ": leave those at their defaults")
 
     def _check_data_size(self) -> None:
         """What the data section says about the train split before it is built: the domains it holds

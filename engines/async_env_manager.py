@@ -13,6 +13,8 @@ managers give identical episodes for the same seeds (tests/test_async_env_manage
 Groups: ``len(seeds)`` groups of ``group_size`` episodes are launched (launch more than you need);
 a group is complete when all its episodes are. The batch is the first ``groups_wanted`` complete
 groups; the rest are cancelled (their pending generation requests dropped unsent) and counted.
+With a ``keep`` predicate (dynamic sampling) only ``groups_wanted`` groups run at a time and a
+rejected group is replaced by the next seed's (``rollout_groups``).
 
 Failures, each costing what it must and counted in the metrics:
 - the environment raises in ``step``: that episode ends, ``env_error`` set (as in lock-step);
@@ -37,6 +39,7 @@ import itertools
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engines.env_manager import (
@@ -161,12 +164,18 @@ class _Run:
 async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenizer, env_name: str, seeds: list[int], *,
                          group_size: int, max_turns: int, max_context_tokens: int, sampling: SamplingParams,
                          groups_wanted: int | None = None, chat: bool = False, step_timeout_s: float = 60.0,
-                         max_retries: int = 1) -> AsyncRollout:
+                         max_retries: int = 1, keep: Callable[[list[Episode]], bool] | None = None) -> AsyncRollout:
     """Launch one group of ``group_size`` episodes per seed (``group_id`` = position in ``seeds``), keep
     the first ``groups_wanted`` (default: all) that complete, cancel the rest. ``env_name`` names the
     pool's environment in error messages; the pool decides what it runs. Everything else is
     ``run_episodes``'s meaning. Raises what a reset raises (a configuration error) and what the
-    engine raises."""
+    engine raises.
+
+    ``keep`` (dynamic sampling, DAPO): only ``groups_wanted`` groups run at a time; a complete group
+    ``keep`` rejects (e.g. all returns equal: no advantage) is counted in ``groups_filtered`` and, like a
+    dropped group, replaced by the next seed's, until ``seeds`` is spent; then the batch is the groups
+    kept so far (possibly fewer than wanted), or, when none passed, the first ``groups_wanted``
+    rejected ones, unfiltered (as the RLVR rollout does, tasks/prompts.py; ``filter_fallback`` = 1)."""
     if group_size < 1 or max_turns < 1:
         raise ValueError(f"group_size and max_turns must be >= 1, got {group_size} and {max_turns}")
     wanted = len(seeds) if groups_wanted is None else groups_wanted
@@ -175,16 +184,25 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
     run = _Run(router, pool, tokenizer, env_name, list(seeds), group_size, max_turns, max_context_tokens, sampling,
                ChatFormat.of(tokenizer) if chat else None, step_timeout_s, max_retries, f"run{next(_RUNS)}", Counter())
     before, t0 = router.stats(), time.perf_counter()
-    tasks = {asyncio.create_task(run.group(g)): g for g in range(len(seeds))}
+    launched = wanted if keep is not None else len(seeds)
+    tasks = {asyncio.create_task(run.group(g)): g for g in range(launched)}
     kept: list[tuple[int, list[Episode]]] = []
+    rejected_groups: list[tuple[int, list[Episode]]] = []
     pending = set(tasks)
     try:
         while pending and len(kept) < wanted:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for t in sorted(done, key=tasks.get):
                 group = t.result()
-                if group is None:
-                    run.counts["groups_dropped"] += 1
+                rejected = group is not None and keep is not None and len(kept) < wanted and not keep(group)
+                if group is None or rejected:
+                    run.counts["groups_dropped" if group is None else "groups_filtered"] += 1
+                    if rejected:
+                        rejected_groups.append((tasks[t], group))
+                    if keep is not None and launched < len(seeds):   # refill with the next seed's group
+                        refill = asyncio.create_task(run.group(launched))
+                        tasks[refill], launched = launched, launched + 1
+                        pending.add(refill)
                 elif len(kept) < wanted:
                     kept.append((tasks[t], group))
                 else:
@@ -193,6 +211,9 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+    fallback = keep is not None and not kept and bool(rejected_groups)
+    if fallback:  # no group passed within the seeds: train on the first rejected ones rather than nothing
+        kept = rejected_groups[:wanted]
     seconds = time.perf_counter() - t0
     after = router.stats()
     version = router.policy_version
@@ -201,7 +222,9 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
     lags = [staleness(ep, version) for ep in episodes]
     c = run.counts
     metrics = {
-        "env_manager/groups_launched": float(len(seeds)),
+        "env_manager/groups_launched": float(launched),
+        "env_manager/groups_filtered": float(c["groups_filtered"]),
+        "env_manager/filter_fallback": float(fallback),
         "env_manager/groups_kept": float(len(kept)),
         "env_manager/groups_aborted": float(len(pending)),
         "env_manager/groups_dropped": float(c["groups_dropped"]),

@@ -16,15 +16,18 @@ import pandas as pd
 import ray
 from flytekit import task
 
+from engines.async_env_manager import run_groups
 from engines.env_manager import episode_metrics
+from engines.env_workers import EnvSpec
+from engines.generation_router import BatchingRouter
 from infra import tracking
+from infra.env_pool import RayEnvPool
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.pools import generation_pool, rollout_sampling
 from tasks.prompts import EVAL_SEED0, TRAIN_SEED0
 from tasks.types import PolicyRef, RunSpec
-
 
 EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for every checkpoint
 
@@ -38,14 +41,27 @@ def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = N
                             temperature=0.0 if greedy else (r.temperature if temperature is None else temperature))
 
 
+def _has_signal(group: list) -> bool:
+    """Dynamic sampling's filter (DAPO): a group whose episode returns are all equal has zero advantage."""
+    return len({ep.episode_return for ep in group}) > 1
+
+
 def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
-          temperature: float | None = None):
+          temperature: float | None = None, groups_wanted: int | None = None, keep=None) -> tuple[list, dict[str, float]]:
+    """(episodes, manager metrics): lock-step in the generation actors, or (env.workers > 0) the
+    asynchronous manager against the env worker pool, keeping `groups_wanted` groups (default: all)
+    that pass `keep` (the config check allows `keep` with env.workers > 0 only)."""
     cfg = config_of(spec)
     e = cfg.env
     workers = generation_pool(spec, policy)
+    params = _params(cfg, greedy, iteration, temperature)
+    if e.workers:
+        return _play_async(cfg, workers, policy.version, seeds, group_size, params, groups_wanted, keep)
+    if keep is not None or groups_wanted not in (None, len(seeds)):
+        raise ValueError("the lock-step manager plays every seed's group: group filtering needs env.workers > 0")
     shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
     futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
-                                 _params(cfg, greedy, iteration, temperature), dict(e.kwargs), cfg.model.apply_chat_template)
+                                 params, dict(e.kwargs), cfg.model.apply_chat_template)
                for w, shard in zip(workers, shards)]
     episodes = []
     for shard_index, eps in enumerate(ray.get(futures)):
@@ -53,7 +69,38 @@ def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, g
         for ep in eps:
             ep.group_id += offset
             episodes.append(ep)
-    return episodes
+    return episodes, {}
+
+
+class _RemoteEngine:
+    """A generation actor as the router's engine: one `generate` call per batch the router forms."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def generate(self, prompt_token_ids, params):
+        return ray.get(self.actor.generate.remote(prompt_token_ids, params))
+
+
+def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params, groups_wanted: int | None,
+                keep) -> tuple[list, dict[str, float]]:
+    """Every episode its own loop (engines/async_env_manager.py): environments in the env worker
+    pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`."""
+    e = cfg.env
+    tokenizer = ray.get(workers[0].tokenizer_copy.remote())
+    router = BatchingRouter([_RemoteEngine(w) for w in workers], max_batch=cfg.rollout.micro_batch, policy_version=version)
+    pool = None
+    try:
+        pool = RayEnvPool(EnvSpec(e.name, dict(e.kwargs)), workers=e.workers, cpus=e.worker_cpus,
+                          concurrency=e.worker_concurrency)
+        out = run_groups(router, pool, tokenizer, e.name, seeds, group_size=group_size, max_turns=e.max_turns,
+                         max_context_tokens=e.max_context_tokens, sampling=params, chat=cfg.model.apply_chat_template,
+                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries, groups_wanted=groups_wanted, keep=keep)
+    finally:
+        router.close()
+        if pool is not None:
+            pool.shutdown()
+    return out.episodes, out.metrics
 
 
 def _finish_reason(ep) -> str:
@@ -62,14 +109,15 @@ def _finish_reason(ep) -> str:
 
 def episode_rows(episodes: list, iteration: int, domain: str, version: int) -> pd.DataFrame:
     """The rollout table of `episodes` (engines/env_manager.py Episode): one row per episode, the
-    RLVR rollout columns plus the agentic ones (tasks/types.py COLUMNS)."""
+    RLVR rollout columns plus the agentic ones (tasks/types.py COLUMNS). policy_version: the oldest
+    policy among the episode's turns where the asynchronous manager recorded them, else `version`."""
     return pd.DataFrame([{
         "prompt_id": f"seed-{ep.seed}", "group_id": f"{iteration}:{ep.group_id}", "sample_id": ep.sample_id,
         "domain": domain, "prompt": ep.prompt, "answer": None, "tests": None, "metadata": None,
         "prompt_token_ids": ep.prompt_token_ids, "response": ep.transcript, "response_token_ids": ep.response_token_ids,
         "behaviour_logprobs": ep.behaviour_logprobs, "loss_mask": ep.loss_mask, "turn_index": ep.turn_index,
         "turn_rewards": ep.turn_rewards, "state_keys": json.dumps(ep.state_keys), "finish_reason": _finish_reason(ep),
-        "policy_version": version, "env_return": ep.episode_return, "success": bool(ep.success),
+        "policy_version": min(ep.policy_versions, default=version), "env_return": ep.episode_return, "success": bool(ep.success),
         "turns": ep.turns, "num_effective": ep.num_effective, "num_invalid": ep.num_invalid,
         "env_error": ep.env_error,
     } for ep in episodes])
@@ -90,10 +138,14 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
     B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
-        seeds = [TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B + i for i in range(B)]
-        episodes = _play(spec, policy, seeds, G, greedy=False, iteration=iteration)
+        rounds = cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else 1
+        base = TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B * rounds
+        seeds = [base + i for i in range(B * rounds)]   # filter_groups: B wanted, the rest refill rejected groups
+        episodes, manager = _play(spec, policy, seeds, G, greedy=False, iteration=iteration, groups_wanted=B,
+                                  keep=_has_signal if cfg.algorithm.filter_groups else None)
         df = episode_rows(episodes, iteration, cfg.env.name, policy.version)
         check_columns(df, "rollout", at="leaving rollout_episodes")
+        metrics.update(manager)
         metrics.update(episode_metrics(episodes, prefix="env"))
         metrics["rollout/response_length"] = float(df["response_token_ids"].map(len).mean())
         metrics["rollout/policy_tokens"] = float(df["loss_mask"].map(sum).sum())
@@ -127,11 +179,11 @@ def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
     with stage(spec, "evaluation", policy.version, metrics):
         seeds = [EVAL_SEED0 + i for i in range(e.eval_episodes)]
         if e.eval_temperature > 0:
-            episodes = _play(spec, policy, seeds, e.eval_samples_per_seed, greedy=False, iteration=EVAL_SAMPLING_OFFSET,
-                             temperature=e.eval_temperature)
-            metrics.update(episode_metrics(_play(spec, policy, seeds, 1, greedy=True), prefix="eval/greedy"))
+            episodes, _ = _play(spec, policy, seeds, e.eval_samples_per_seed, greedy=False, iteration=EVAL_SAMPLING_OFFSET,
+                                temperature=e.eval_temperature)
+            metrics.update(episode_metrics(_play(spec, policy, seeds, 1, greedy=True)[0], prefix="eval/greedy"))
         else:
-            episodes = _play(spec, policy, seeds, 1, greedy=True)
+            episodes, _ = _play(spec, policy, seeds, 1, greedy=True)
         m = episode_metrics(episodes, prefix="eval")
         metrics.update(m)
         metrics["eval/accuracy"] = m["eval/success_rate"]

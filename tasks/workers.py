@@ -167,6 +167,11 @@ class GenerationWorker:
 
         return encode_prompts(self.tokenizer, prompts, chat)
 
+    def tokenizer_copy(self):
+        """The served policy's tokenizer (the agentic task's asynchronous manager encodes and decodes
+        turns beside the engines with it, tasks/agentic.py)."""
+        return self.tokenizer
+
     def decode(self, token_lists: list[list[int]]) -> list[str]:
         """Texts of token id lists, as the engines decode a response (special tokens skipped)."""
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_lists]

@@ -5,74 +5,29 @@ router batches concurrent requests; policy versions are recorded per turn."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
-import zlib
 from typing import ClassVar
 
 import pytest
 import torch
 
 from engines.async_env_manager import run_groups, staleness
-from engines.env_manager import run_episodes
 from engines.env_workers import EnvSpec, ProcessEnvPool, ThreadEnvPool
 from engines.envs import ENVIRONMENTS, make_env
-from engines.generation import Completion, HFGenerationEngine, SamplingParams
+from engines.generation import HFGenerationEngine, SamplingParams
 from engines.generation_router import BatchingRouter
 from engines.modeling import build_char_tokenizer, build_tiny_policy
+from tests.support.async_envs import (
+    SAMPLING,
+    PromptHashEngine,
+    fields,
+    lockstep,
+    run_async,
+)
 
 torch.set_num_threads(1)
-
-SAMPLING = SamplingParams(max_new_tokens=8, stop=("\n",))
-CHOICES = ["left\n", "down\n", "right\n", "up\n", "jump\n", "down", "right"]
-
-
-class PromptHashEngine:
-    """Each completion is a function of its own prompt only (crc32 of the ids picks from CHOICES), so
-    it does not depend on which requests share a call: deterministic under any batching. Counts calls."""
-
-    def __init__(self, tok, delay_s: float = 0.0):
-        self.tok, self.delay_s, self.batch_sizes = tok, delay_s, []
-
-    def generate(self, prompt_token_ids, params, abort=None):
-        self.batch_sizes.append(len(prompt_token_ids))
-        time.sleep(self.delay_s)
-        out = []
-        for i, p in enumerate(prompt_token_ids):
-            text = CHOICES[zlib.crc32(str(p).encode()) % len(CHOICES)]
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            out.append(Completion(i, 0, ids, [-0.5] * len(ids), "stop", text))
-        return out[::-1]
-
-
-def fields(ep):
-    d = dataclasses.asdict(ep)
-    d.pop("policy_versions")
-    return d
-
-
-def lockstep(env_name, seeds, *, G=2, max_turns=6, env_kwargs=None, engine_factory=None, chat=False,
-             max_context_tokens=1500, sampling=SAMPLING):
-    tok = build_char_tokenizer() if engine_factory is None else engine_factory.tok
-    engine = (engine_factory or (lambda: PromptHashEngine(tok)))()
-    return run_episodes(engine, tok, env_name, seeds, group_size=G, max_turns=max_turns, max_context_tokens=max_context_tokens,
-                        sampling=sampling, env_kwargs=env_kwargs, chat=chat)
-
-
-def run_async(env_name, seeds, *, G=2, max_turns=6, env_kwargs=None, pool=None, engine_factory=None, chat=False,
-              max_context_tokens=1500, sampling=SAMPLING, **kwargs):
-    tok = build_char_tokenizer() if engine_factory is None else engine_factory.tok
-    router = BatchingRouter([(engine_factory or (lambda: PromptHashEngine(tok)))()], max_batch=16, max_wait_s=0.005)
-    pool = pool or ThreadEnvPool(EnvSpec(env_name, env_kwargs or {}), threads=4)
-    try:
-        return run_groups(router, pool, tok, env_name, seeds, group_size=G, max_turns=max_turns,
-                          max_context_tokens=max_context_tokens, sampling=sampling, chat=chat, **kwargs)
-    finally:
-        router.close()
-        pool.shutdown()
-
 
 def both(env_name, seeds, **kwargs):
     """(lock-step episodes, async rollout) for the same seeds and engine kind."""
@@ -300,3 +255,30 @@ def test_policy_versions_are_recorded_per_turn(monkeypatch):
     # the first seed-0 episode to reach its turn-1 step generated turns 0 and 1 before it published
     assert [0, 0, 1, 1] in [ep.policy_versions for ep in out.episodes if ep.seed == 0]
     assert out.metrics["env_manager/staleness_max"] == max(staleness(ep, 1) for ep in out.episodes) == 1
+
+
+def test_keep_filters_groups_and_refills_from_the_next_seeds():
+    """Dynamic sampling: `wanted` groups run at a time; a rejected group is counted and replaced by the
+    next seed's group; the kept groups are the lock-step reference's episodes for their seeds."""
+    ref = {(e.seed, e.sample_id): e for e in lockstep("frozenlake", list(range(6)), env_kwargs={"size": 4})}
+    out = run_async("frozenlake", list(range(6)), env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: g[0].seed % 2 == 0)
+    assert sorted({e.seed for e in out.episodes}) == [0, 2] and len(out.episodes) == 4
+    assert all(fields(e) == fields(ref[(e.seed, e.sample_id)]) | {"group_id": e.group_id} for e in out.episodes)
+    m = out.metrics
+    assert m["env_manager/groups_filtered"] >= 1 and m["env_manager/groups_kept"] == 2
+    assert m["env_manager/groups_launched"] < 6                                        # refills only as needed
+    assert m["env_manager/groups_kept"] + m["env_manager/groups_filtered"] + m["env_manager/groups_aborted"] \
+        == m["env_manager/groups_launched"]
+
+
+def test_keep_with_the_seeds_spent_keeps_fewer_groups():
+    out = run_async("frozenlake", [0, 1, 2], env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: g[0].seed == 0)
+    assert {e.seed for e in out.episodes} == {0}
+    assert out.metrics["env_manager/groups_filtered"] == 2 and out.metrics["env_manager/groups_launched"] == 3
+    assert out.metrics["env_manager/filter_fallback"] == 0
+
+
+def test_keep_rejecting_every_group_falls_back_to_the_first_rejected():
+    out = run_async("frozenlake", [0, 1, 2], env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: False)
+    assert len({e.seed for e in out.episodes}) == 2 and out.metrics["env_manager/filter_fallback"] == 1
+    assert out.metrics["env_manager/groups_filtered"] == 3 and out.metrics["env_manager/groups_launched"] == 3

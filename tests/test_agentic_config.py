@@ -1,0 +1,68 @@
+"""An agentic config (env set) refuses the RLVR-only options its workflow would ignore, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs.schema import ConfigError, load_config
+from tests.support.workflow import REPO
+
+PRESET = REPO / "configs" / "frozenlake.yaml"
+
+REFUSED = [
+    ("algorithm.filter_groups=true", "algorithm.filter_groups"),
+    ("algorithm.mask_truncated=true", "algorithm.mask_truncated"),
+    ("rollout.chunk_prompts=2", "rollout.chunk_prompts"),
+    ("loop.eval_samples=4", "loop.eval_samples"),
+    ('data.domain_weights={"arithmetic": 1.0}', "data.domain_weights"),
+    ("data.max_prompt_tokens=64", "data.max_prompt_tokens"),
+    ("reward.num_workers=2", "reward.num_workers"),
+    ('reward.functions={"frozenlake": "exact"}', "reward.functions"),
+    ("pipeline.off_policy_steps=1", "pipeline.off_policy_steps"),
+    ("rollout.partial_rollout_max_split=2", "rollout.partial_rollout_max_split"),
+    ("rollout.score_while_generating=true", "rollout.score_while_generating"),
+    ("loop.fuse=2", "loop.fuse"),
+]
+
+
+@pytest.mark.parametrize("override,field", REFUSED, ids=[f for _, f in REFUSED])
+def test_agentic_config_refuses_rlvr_only_option(override, field):
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, [override, "algorithm.tis_cap=2.0"])
+    assert field in str(info.value)
+
+
+def test_filter_groups_is_allowed_with_env_workers():
+    cfg = load_config(PRESET, ["algorithm.filter_groups=true", "env.workers=2"])
+    assert cfg.algorithm.filter_groups and cfg.env.workers == 2
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["algorithm.filter_groups=true"])
+    assert "algorithm.filter_groups" in str(info.value) and "env.workers > 0" in str(info.value)
+
+
+def test_same_options_still_load_for_rlvr():
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["algorithm.filter_groups=true", "algorithm.mask_truncated=true",
+                                                        "rollout.chunk_prompts=2", "loop.eval_samples=4"])
+    assert cfg.env is None and cfg.algorithm.filter_groups and cfg.rollout.chunk_prompts == 2
+
+
+def test_agentic_refusal_lists_every_field_at_once():
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["algorithm.filter_groups=true", "loop.eval_samples=2"])
+    assert "algorithm.filter_groups" in str(info.value) and "loop.eval_samples" in str(info.value)
+    assert "dynamic sampling" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3"])
+def test_env_pool_options_need_env_workers(field):
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, [f"env.{field}"])
+    assert f"env.{field.split('=')[0]}" in str(info.value) and "env.workers: 0" in str(info.value)
+    cfg = load_config(PRESET, ["env.workers=2", f"env.{field}"])
+    assert cfg.env.workers == 2
+
+
+def test_env_workers_out_of_range_is_refused():
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["env.workers=-1"])
+    assert "env.workers" in str(info.value)
