@@ -1,0 +1,118 @@
+"""A live weight sync across two Ray nodes, run in a process of its own (tests/test_live_sync_multinode.py).
+
+`python -m tests.support.multinode_sync <tiny model dir> <work dir>` starts a local two-node Ray
+cluster (`ray.cluster_utils.Cluster`: the head with the custom resource `node_train`, one worker
+node with `node_infer`, 1 CPU each), puts the training actor on the head and the generation actor on
+the worker node, runs `tasks.live_sync.live_sync` over gloo between them, and prints one JSON line
+with what the test checks: each actor's node id, the address the group's store used, the sync's
+report, the engine's key and version, and whether its weights equal the trainer's bit for bit.
+
+Its own process because `Cluster` must not meet a `ray.init()` the pytest process already did (and
+a test started after it must not join this cluster: see infra/ray_cluster.py `task_cluster`, whose
+setup this repeats). The placement plan (infra/resources.py) has no way to pin a role to a node,
+so the actors' `.options` name the nodes' custom resources directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from unittest import mock
+
+import ray
+import torch
+
+
+def _publish(store, model_dir: str, work: str, run: str) -> None:
+    """v0000 = the tiny model; v0001 = the same with every weight moved (what a training step gives)."""
+    from engines.modeling import load_policy, save_policy
+
+    store.publish(model_dir, f"runs/{run}/policy/v0000", kind="checkpoint", producer="test")
+    model, tok = load_policy(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
+    store.publish(save_policy(model, tok, os.path.join(work, "v1")), f"runs/{run}/policy/v0001", kind="checkpoint", producer="test")
+
+
+def _start_cluster(temp_dir: str):
+    from ray._private.authentication.authentication_token_setup import (enable_token_auth_by_default,
+                                                                        ensure_token_if_auth_enabled)
+    from ray.cluster_utils import Cluster
+
+    # token auth as ray.init() sets it up for a new cluster: `Cluster` does not (infra/ray_cluster.py)
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    # no entry in /tmp/ray/ray_current_cluster, or a later bare ray.init() on this machine joins this cluster
+    with mock.patch.object(ray._private.utils, "write_ray_address", lambda *a, **k: None):
+        for res in ({"node_train": 1}, {"node_infer": 1}):
+            cluster.add_node(num_cpus=1, resources=res, object_store_memory=256 << 20, include_dashboard=False,
+                             no_monitor=True, temp_dir=temp_dir)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    return cluster
+
+
+def main(model_dir: str, work: str) -> dict:
+    from configs.schema import parse_config
+    from infra.ray_session import actor_pool
+    from infra.resources import role_devices
+    from infra.store import ArtifactStore
+    from tasks.live_sync import live_sync
+    from tasks.types import RunSpec
+    from tasks.workers import GenerationWorker, TrainWorker, generation_worker_kwargs
+
+    root, run = os.path.join(work, "store"), "multinode"
+    _publish(ArtifactStore(root), model_dir, work, run)
+    cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 1},
+                        "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 30}})
+    spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
+    temp_dir = tempfile.mkdtemp(prefix="flyroll-multinode-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    cluster = _start_cluster(temp_dir)
+    try:
+        # the same names, kwargs and pools as tasks/pools.py and tasks/training.py, pinned to a node each;
+        # live_sync() then finds these generation actors by name (get_if_exists)
+        (gen,) = actor_pool(GenerationWorker, "generation", 1, run, generation_worker_kwargs(cfg),
+                            {"num_cpus": 0, "resources": {"node_infer": 1}})
+        (trainer,) = actor_pool(TrainWorker, "training", 1, run,
+                                {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
+                                {"num_cpus": 0, "resources": {"node_train": 1}})
+        ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000"))      # as after a rollout
+        ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
+
+        report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
+
+        def node(w):
+            return ray.get_runtime_context().get_node_id()
+
+        sent = ray.get(trainer.__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.model.state_dict().items()}))
+        key, version, held = ray.get(gen.__ray_call__.remote(
+            lambda w: (w.key, w.engine.version, {k: v.clone() for k, v in w.engine.model.state_dict().items()})))
+        # the address the engine dialled for the group's store: the trainer's node (tasks/workers.py free_port)
+        store_addr = ray.get(gen.__ray_call__.remote(lambda w: (w.update_group._tcp.host, w.update_group._tcp.port)))
+        nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes() if n["Alive"]}
+        return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),
+                "nodes": nodes, "store_addr": list(store_addr), "trainer_ip": ray.get(trainer.__ray_call__.remote(
+                    lambda w: ray.util.get_node_ip_address())),
+                "report": report, "key": key, "version": version,
+                "same_keys": held.keys() == sent.keys(), "dtypes": sorted({str(v.dtype) for v in held.values()}),
+                "bitwise_equal": all(torch.equal(held[k], sent[k]) for k in sent),
+                "moved": any(not torch.equal(held[k], v) for k, v in _v0(model_dir).items())}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _v0(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2]), default=str), flush=True)
