@@ -23,6 +23,7 @@ def test_live_sync_between_two_ray_nodes_gives_the_engine_the_trainers_weights(t
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     got = json.loads(lines[-1].removeprefix("RESULT "))
+    print("multinode live sync timings:", got["times"])   # shown with pytest -s (docs/weight-sync.md)
 
     assert got["trainer_node"] != got["gen_node"]                       # really two nodes
     assert got["nodes"][got["trainer_node"]] == ["node_train"] and got["nodes"][got["gen_node"]] == ["node_infer"]

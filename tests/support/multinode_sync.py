@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from unittest import mock
 
 import ray
@@ -72,7 +73,9 @@ def main(model_dir: str, work: str) -> dict:
                         "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 30}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
     temp_dir = tempfile.mkdtemp(prefix="flyroll-multinode-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
+    t0 = time.perf_counter()
     cluster = _start_cluster(temp_dir)
+    times = {"cluster_start_s": time.perf_counter() - t0}
     try:
         # the same names, kwargs and pools as tasks/pools.py and tasks/training.py, pinned to a node each;
         # live_sync() then finds these generation actors by name (get_if_exists)
@@ -84,7 +87,10 @@ def main(model_dir: str, work: str) -> dict:
         ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000"))      # as after a rollout
         ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
 
+        times["actors_ready_s"] = time.perf_counter() - t0 - times["cluster_start_s"]
+        t1 = time.perf_counter()
         report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
+        times["live_sync_s"] = time.perf_counter() - t1
 
         def node(w):
             return ray.get_runtime_context().get_node_id()
@@ -98,7 +104,7 @@ def main(model_dir: str, work: str) -> dict:
         return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),
                 "nodes": nodes, "store_addr": list(store_addr), "trainer_ip": ray.get(trainer.__ray_call__.remote(
                     lambda w: ray.util.get_node_ip_address())),
-                "report": report, "key": key, "version": version,
+                "report": report, "times": times, "key": key, "version": version,
                 "same_keys": held.keys() == sent.keys(), "dtypes": sorted({str(v.dtype) for v in held.values()}),
                 "bitwise_equal": all(torch.equal(held[k], sent[k]) for k in sent),
                 "moved": any(not torch.equal(held[k], v) for k, v in _v0(model_dir).items())}
