@@ -25,6 +25,9 @@
           Every reward function the config names is imported before the model loads, with the working
           directory on sys.path; one that cannot be is a config error (exit 2).
 
+--max-new-tokens  the response cap; default: the config's rollout.max_new_tokens (with --config or
+          --set), as in training, else 32.
+
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
 correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
 "reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}, plus
@@ -69,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="flyroll config YAML whose reward section routes and scores the rows, as in training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="override a config setting (repeatable; VALUE read as YAML), e.g. --set reward.timeout_s=30")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="response length cap (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="response length cap (default: the --config's rollout.max_new_tokens, as in training; 32 without --config)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
     p.add_argument("--chat-template", action="store_true", help="wrap prompts with the tokenizer's chat template")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
@@ -250,7 +254,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     from engines.modeling import load_policy
     from engines.rewards.routing import check_reward, reward_name
 
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be >= 1, got {args.limit}")
@@ -267,6 +271,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     routes, models, timeout_s = reward_options(cfg)
     set_torch_threads()  # as many as this process's cores, affinity and cgroup quota allow
     stop = stop_strings(args.stop, cfg)
+    max_new_tokens = args.max_new_tokens or (cfg.rollout.max_new_tokens if args.config or args.overrides else 32)
     names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
              for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
     for domain, name in sorted(names):
@@ -285,7 +290,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         if args.chat_template and not getattr(tokenizer, "chat_template", None):
             raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
         engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
-        metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=args.max_new_tokens,
+        metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=max_new_tokens,
                                   apply_chat_template=args.chat_template, routes=routes, models=models, timeout_s=timeout_s,
                                   stop=stop, samples=args.samples, temperature=args.temperature, seed=args.seed)
     model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"

@@ -245,3 +245,17 @@ def test_eval_stops_and_samples_as_configured(tiny_model_dir, tmp_path, capsys):
     assert sampled["pass_at_3"] >= sampled["sampled_accuracy"]
     rc, _, err = run(capsys, [*args, "--samples", "-1"])
     assert rc == 2 and "--samples must be >= 0" in err
+
+
+def test_the_response_cap_follows_the_config_as_in_training_unless_given(tiny_model_dir, tmp_path, capsys):
+    """--config's rollout.max_new_tokens caps the responses (the tiny random policy rarely stops early,
+    so the mean length sits at the cap); --max-new-tokens wins over it; 32 without either."""
+    (tmp_path / "cfg.yaml").write_text("rollout:\n  max_new_tokens: 3\n")
+    data = ["--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "4"]
+    rc, from_config, err = run(capsys, [*data, "--config", str(tmp_path / "cfg.yaml")])
+    assert rc == 0, err
+    rc, given, err = run(capsys, [*data, "--config", str(tmp_path / "cfg.yaml"), "--max-new-tokens", "5"])
+    assert rc == 0, err
+    rc, via_set, err = run(capsys, [*data, "--set", "rollout.max_new_tokens=2"])
+    assert rc == 0, err
+    assert from_config["length"] <= 3 and 3 < given["length"] <= 5 and via_set["length"] <= 2
