@@ -5,9 +5,7 @@ router batches concurrent requests; policy versions are recorded per turn."""
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from typing import ClassVar
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 
 from engines.async_env_manager import run_groups, staleness
 from engines.env_workers import EnvSpec, ProcessEnvPool, ThreadEnvPool
-from engines.envs import ENVIRONMENTS, make_env
+from engines.envs import ENVIRONMENTS
 from engines.generation import HFGenerationEngine, SamplingParams
 from engines.generation_router import BatchingRouter
 from engines.modeling import build_char_tokenizer, build_tiny_policy
@@ -26,6 +24,7 @@ from tests.support.async_envs import (
     lockstep,
     run_async,
 )
+from tests.support.env_faults import FaultyLake
 
 torch.set_num_threads(1)
 
@@ -75,47 +74,16 @@ def test_identical_with_the_tiny_policy_greedy():
         assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-4)
 
 
-class _Scripted:
-    """FrozenLake whose step misbehaves on chosen seeds: ``raise`` raises, ``hang`` blocks on ``release``,
-    ``kill_once`` SIGKILLs its own process the first time (a marker file remembers), ``kill`` every time,
-    ``slow`` sleeps 1 s per step."""
-    name, invalid_penalty = "scripted", -0.1
+class _Scripted(FaultyLake):
+    """FaultyLake with class-level ``behaviour`` and ``marker`` (set by each test), whose ``hang`` blocks
+    on ``release`` (set at the test's end) instead of sleeping."""
+    name = "scripted"
     behaviour: ClassVar[dict[int, str]] = {}
     release = threading.Event()
-    marker = ""
+    marker: ClassVar[str] = ""
 
-    def __init__(self):
-        self.env = make_env("frozenlake", size=4)
-        self.instructions = self.env.instructions
-
-    def reset(self, seed):
-        self.seed = seed
-        return self.env.reset(seed)
-
-    def step(self, action_text):
-        how = self.behaviour.get(self.seed)
-        if how == "raise":
-            raise RuntimeError("boom")
-        if how == "hang":
-            self.release.wait(30)
-        if how == "slow":
-            time.sleep(1.0)
-        if how == "kill" or (how == "kill_once" and self._first_to_mark()):
-            os.kill(os.getpid(), 9)
-        return self.env.step(action_text)
-
-    def _first_to_mark(self) -> bool:
-        try:
-            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
-            return True
-        except FileExistsError:
-            return False
-
-    def state_key(self):
-        return self.env.state_key()
-
-    def solve(self):
-        return None
+    def _hang(self) -> None:
+        self.release.wait(30)
 
 
 @pytest.fixture
