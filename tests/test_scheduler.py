@@ -15,7 +15,8 @@ from engines.scheduler import ABORTED, DROPPED, KEPT, FILTERS, RolloutScheduler,
 G = 2
 
 
-def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=1, reward_delay=0.0):
+def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=1, reward_delay=0.0, reward_wait=None,
+           wrap_abort=None):
     from engines.rewards.models import ModelRewards
     from engines.rewards.routing import score_samples
 
@@ -25,6 +26,7 @@ def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=
 
     def generate(prompts, abort):
         seen["chunks"] += 1
+        abort = wrap_abort(prompts, abort) if wrap_abort else abort
         params = SamplingParams(n=G, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed + 1000 * prompts[0][0])
         out = engine.generate([tok.encode(p) for _, p in prompts], params, abort=abort)
         seen["completions"].extend(out)
@@ -38,6 +40,8 @@ def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=
 
     def score(rows, abort):
         time.sleep(reward_delay)
+        if reward_wait is not None:
+            reward_wait.wait(30.0)
         items = [(r["domain"], r["response"], {"prompt": r["prompt"]}) for r in rows]
         results, _ = score_samples(items, timeout_s, {"parity": "tests.support.rewards:parity"}, None, iso, ModelRewards(iso))
         return results
@@ -75,19 +79,39 @@ def test_budget_caps_the_prompts_and_returns_fewer_groups(tiny_policy):
     assert res.metrics(want=2)["dynamic_sampling/generation_rounds"] == 2.5
 
 
+class _CountingAbort(threading.Event):
+    """An abort event that the engine polls once per decode step: set by itself after `after` polls
+    (None: never), and `decoding` is set at the `mark`-th poll, so a test knows generation is under
+    way without guessing how long a step takes."""
+
+    def __init__(self, after=None, inner=None, decoding=None, mark=3):
+        super().__init__()
+        self.after, self.inner, self.decoding, self.mark, self.polls = after, inner, decoding, mark, 0
+
+    def is_set(self):
+        self.polls += 1
+        if self.decoding is not None and self.polls >= self.mark:
+            self.decoding.set()
+        if self.after is not None and self.polls > self.after:
+            return True
+        return super().is_set() or (self.inner is not None and self.inner.is_set())
+
+
 def test_aborted_requests_release_their_engine(tiny_policy):
     model, tok = tiny_policy
     engine = HFGenerationEngine(model, tok)
-    event = threading.Event()
-    threading.Timer(0.03, event.set).start()  # aborted a few decode steps in (100 steps take far longer)
-    out = engine.generate([tok.encode("1+1="), tok.encode("22")], SamplingParams(n=2, max_new_tokens=100, seed=0), abort=event)
+    abort = _CountingAbort(after=5)  # aborted 5 decode steps in, whatever the speed of the box
+    out = engine.generate([tok.encode("1+1="), tok.encode("22")], SamplingParams(n=2, max_new_tokens=100, seed=0), abort=abort)
     assert len(out) == 4 and all(len(c.token_ids) < 100 and c.finish_reason in ("abort", "stop") for c in out)
     assert any(c.finish_reason == "abort" for c in out)
     # through the scheduler: the batch is full after the first chunk, the long second one (started while
-    # the first chunk's groups are scored) is aborted mid-generation
-    gen, rew, seen = _sides(tiny_policy, max_new_tokens=100, reward_delay=0.2)
+    # the first chunk's groups are scored) is aborted mid-generation: scoring returns only once the
+    # second chunk is decoding
+    decoding = threading.Event()
+    gen, rew, seen = _sides(tiny_policy, max_new_tokens=100, reward_wait=decoding,
+                            wrap_abort=lambda prompts, ev: _CountingAbort(inner=ev, decoding=decoding) if prompts[0][0] > 0 else ev)
     res = RolloutScheduler(gen, rew, [], want=2, max_prompts=64, chunk_size=2, max_chunks_in_flight=2).run(_prompts(64))
-    assert len(res.kept) == 2 and res.aborted >= 1
+    assert decoding.is_set() and len(res.kept) == 2 and res.aborted >= 1
     assert gen.wait_idle(10.0) and rew.wait_idle(10.0)  # the engine's in-flight count is back to 0
     assert any(c.finish_reason == "abort" and len(c.token_ids) < 100 for c in seen["completions"])
 
