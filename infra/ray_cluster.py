@@ -121,47 +121,59 @@ def reap_orphan_clusters(parent: str, wait_s: float = 10.0) -> list[str]:
     return removed
 
 
+def start_local_cluster(nodes: list[dict], temp_dir: str, log_to_driver: bool = True):
+    """A `ray.cluster_utils.Cluster` with one node per `nodes` entry (`add_node` keyword arguments,
+    e.g. num_cpus, num_gpus, resources, object_store_memory), its session files in `temp_dir`, this
+    process connected to it. The caller shuts it down (`shutdown()`, then `cluster.shutdown()`)."""
+    import ray
+    from ray._private.authentication.authentication_token_setup import (enable_token_auth_by_default,
+                                                                        ensure_token_if_auth_enabled)
+    from ray.cluster_utils import Cluster
+
+    # token authentication as ray.init() sets it up for a new cluster (on unless RAY_AUTH_MODE says
+    # otherwise; a token in ~/.ray created when missing): `Cluster` does neither, and with
+    # RAY_AUTH_MODE=token in the environment (any earlier ray.init() in this process sets it) but no
+    # token, its GCS never came up ("Timed out waiting for file .../gcs_server_port_...")
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    try:
+        # no entry in /tmp/ray/ray_current_cluster: `Cluster` writes its head's address there "for unit
+        # testing", and any `ray.init()` without an address on this machine would then join this cluster
+        # (another run's shared instance, a test's ray.init(num_cpus=...)), and fail once it is gone
+        with mock.patch.object(ray._private.utils, "write_ray_address", lambda *a, **k: None):
+            for node in nodes:
+                # no autoscaler monitor (no_monitor): the cluster's shape is fixed, as a RayJob's without
+                # autoscaling is; the monitor is one more Python process to start and stop per task (about
+                # 1.4 CPU-s and 1 s of shutdown on 2 cores)
+                cluster.add_node(include_dashboard=False, no_monitor=True, temp_dir=temp_dir, **node)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=log_to_driver)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
 @contextmanager
 def task_cluster(job: RayJobConfig, role: str):
     """A fresh local Ray cluster shaped like `job` (one Ray node per pod), connected for the body and
     shut down after it, whatever the body does."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     shutdown()
     shapes = node_shapes(job)
     t0 = time.perf_counter()
-    # its own Ray temp dir (session files and logs, removed after), and no entry in the machine's
-    # /tmp/ray/ray_current_cluster: `Cluster` writes its head's address there "for unit testing", and
-    # any `ray.init()` without an address on this machine would then join this cluster (another run's
-    # shared instance, a test's ray.init(num_cpus=...)), and fail once it is gone
+    # its own Ray temp dir (session files and logs, removed after)
     parent = os.environ.get("RAY_TMPDIR") or "/tmp"
     for path in reap_orphan_clusters(parent):
         console.print(f"[dim]ray per-task: stopped and removed {path}, a cluster whose task process was killed[/]")
     temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
     with open(os.path.join(temp_dir, OWNER_FILE), "w") as f:
         f.write(str(os.getpid()))
-    # token authentication as ray.init() sets it up for a new cluster (on unless RAY_AUTH_MODE says
-    # otherwise; a token in ~/.ray created when missing): `Cluster` does neither, and with
-    # RAY_AUTH_MODE=token in the environment (any earlier ray.init() in this process sets it) but no
-    # token, its GCS never came up ("Timed out waiting for file .../gcs_server_port_...")
-    from ray._private.authentication.authentication_token_setup import (enable_token_auth_by_default,
-                                                                        ensure_token_if_auth_enabled)
-
-    enable_token_auth_by_default()
-    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
-    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
+    nodes = [{"num_cpus": cpu, "num_gpus": gpu, "object_store_memory": _OBJECT_STORE_MB["head" if name == "head" else "worker"] << 20}
+             for name, cpu, gpu in shapes]
+    cluster = None
     try:
-        for name, cpu, gpu in shapes:
-            kind = "head" if name == "head" else "worker"
-            # no autoscaler monitor (no_monitor): the cluster's shape is fixed, as a RayJob's without
-            # autoscaling is; the monitor is one more Python process to start and stop per task (about
-            # 1.4 CPU-s and 1 s of shutdown on 2 cores)
-            with mock.patch.object(ray._private.utils, "write_ray_address", lambda *a, **k: None):
-                cluster.add_node(num_cpus=cpu, num_gpus=gpu, object_store_memory=_OBJECT_STORE_MB[kind] << 20,
-                                 include_dashboard=False, no_monitor=True, temp_dir=temp_dir)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
+        cluster = start_local_cluster(nodes, temp_dir, log_to_driver=True)
         started = time.perf_counter() - t0
         CURRENT.update(start_s=started, nodes=float(len(shapes)))
         console.print(f"[dim]ray per-task: {role} cluster, {len(shapes)} node(s) "
@@ -171,7 +183,8 @@ def task_cluster(job: RayJobConfig, role: str):
     finally:
         t1 = time.perf_counter()
         shutdown()  # disconnect, forget this process's actor handles and RAY_ADDRESS
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
         CURRENT.clear()
         console.print(f"[dim]ray per-task: {role} cluster shut down in {time.perf_counter() - t1:.1f}s[/]")

@@ -21,7 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import ray
 import torch
@@ -40,22 +39,10 @@ def _publish(store, model_dir: str, work: str, run: str) -> None:
 
 
 def _start_cluster(temp_dir: str):
-    from ray._private.authentication.authentication_token_setup import (enable_token_auth_by_default,
-                                                                        ensure_token_if_auth_enabled)
-    from ray.cluster_utils import Cluster
+    from infra.ray_cluster import start_local_cluster
 
-    # token auth as ray.init() sets it up for a new cluster: `Cluster` does not (infra/ray_cluster.py)
-    enable_token_auth_by_default()
-    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
-    cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
-    # no entry in /tmp/ray/ray_current_cluster, or a later bare ray.init() on this machine joins this cluster
-    with mock.patch.object(ray._private.utils, "write_ray_address", lambda *a, **k: None):
-        for res in ({"node_train": 1}, {"node_infer": 1}):
-            cluster.add_node(num_cpus=1, resources=res, object_store_memory=256 << 20, include_dashboard=False,
-                             no_monitor=True, temp_dir=temp_dir)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    return cluster
+    return start_local_cluster([{"num_cpus": 1, "resources": res, "object_store_memory": 256 << 20}
+                                for res in ({"node_train": 1}, {"node_infer": 1})], temp_dir, log_to_driver=False)
 
 
 def main(model_dir: str, work: str) -> dict:
