@@ -84,7 +84,7 @@ def main(model_dir: str, work: str) -> dict:
         (trainer,) = actor_pool(TrainWorker, "training", 1, run,
                                 {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
                                 {"num_cpus": 0, "resources": {"node_train": 1}})
-        ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000"))      # as after a rollout
+        ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000", 0))      # as after a rollout
         ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
 
         times["actors_ready_s"] = time.perf_counter() - t0 - times["cluster_start_s"]
