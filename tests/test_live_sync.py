@@ -195,6 +195,33 @@ def test_live_sync_is_refused_in_per_task_mode_and_with_a_lag(monkeypatch):
         parse_config({"sync": {"method": "live"}, "pipeline": {"off_policy_steps": 1}, "algorithm": {"tis_cap": 2.0}})
 
 
+def test_sync_transport_is_refused_where_it_would_do_nothing_or_cannot_run(monkeypatch):
+    """shm / cuda_ipc move a live sync's buckets: with sync.method store they would be ignored, so they
+    are refused; cuda_ipc needs actor_train and actor_infer on cuda, checked where the profile is known
+    (infra/resources.py check_placement, before any cluster; tasks/live_sync.py again at the training
+    stage)."""
+    from configs.schema import ConfigError, parse_config
+    from infra.resources import check_placement
+    from tasks.live_sync import check_live_sync
+
+    monkeypatch.delenv("FLYROLL_PROFILE", raising=False)
+    monkeypatch.setenv("FLYROLL_RAY", "shared")
+    with pytest.raises(ValueError, match=r"sync.transport=shm moves the weights of a live sync; with sync.method=store"):
+        parse_config({"sync": {"transport": "shm"}})
+    with pytest.raises(ValueError, match=r"sync.transport: got 'nccl' -- Input should be 'broadcast', 'shm' or 'cuda_ipc'"):
+        parse_config({"sync": {"method": "live", "transport": "nccl"}})
+    check_placement(parse_config({"sync": {"method": "live", "transport": "shm"}}))      # CPU memory: any device
+    cuda_ipc = {"method": "live", "transport": "cuda_ipc"}
+    cpu = parse_config({"sync": cuda_ipc})
+    for check in (lambda: check_placement(cpu), lambda: check_live_sync(cpu, fused=True)):
+        with pytest.raises(ConfigError, match=r"sync.transport='cuda_ipc' .*placement resolves actor_train on cpu, "
+                                              r"actor_infer on cpu \(FLYROLL_PROFILE=cpu\)"):
+            check()
+    with pytest.raises(ConfigError, match=r"resolves actor_train on cpu \("):
+        check_placement(parse_config({"sync": cuda_ipc, "placement": {"actor_infer": {"gpu": 1}}}))
+    check_placement(parse_config({"sync": cuda_ipc, "placement": {"actor_train": {"gpu": 1}, "actor_infer": {"gpu": 1}}}))
+
+
 def test_live_sync_unfused_on_a_flyte_cluster_is_refused_by_the_first_task():
     from configs.schema import parse_config
     from tasks.prepare import check_remote_sync
