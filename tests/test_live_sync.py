@@ -1,7 +1,9 @@
 """sync.method=live through real Ray actors (tasks/live_sync.py): the training actor sends its weights
 to the generation actors over a gloo model update group; every engine then holds the trainer's
 weights bit for bit (float32), reports the new version and serves the new key, so the next rollout
-loads nothing; a generation actor killed before the sync is an error naming it and the version.
+loads nothing; a generation actor killed before the sync, or in its middle (over shm), is an error
+naming it and the version, and the resumed iteration (the last good version from the store, then a new
+group) leaves every engine on the trainer's weights again.
 The whole run with live sync is tests/test_workflow.py `test_live_weight_sync_gives_the_same_run`."""
 
 from __future__ import annotations
