@@ -304,6 +304,7 @@ class SyncConfig(_Section):
     method: Literal["store", "live"] = Field("store", description="How the generation actors get each new policy version. store: the trainer writes a checkpoint, weight_sync publishes it and the generators fetch and load it. live: right after the training step the trainer actor sends the weights to the generation actors through a model update group (engines/weight_update.py: torch.distributed, gloo on CPU) and the next rollout starts as soon as every engine reports the new version; the checkpoint is still published (lineage, resume). live needs the trainer and the generators alive together: a fused task (loop.fuse > 1) or a local run on one shared Ray instance (FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage: FLYROLL_RAY=per-task, or unfused on a Flyte cluster) the store is the hand-off, because the training cluster is gone when the rollout starts, so live is refused there. Not with pipeline.off_policy_steps > 0 (the generators serve an older version).")
     bucket_mb: int = Field(256, ge=1, le=65536, description="live: the largest bucket of weights sent at once, in MiB of the generators' dtype; must hold the largest tensor (tensors are not split), else the sync stops with an error naming it.")
     timeout_s: float = Field(120.0, gt=0, le=3600, description="live: how long the trainer waits for a generation engine at any step of a sync; an engine that died is reported by name and version after at most this long.")
+    transport: Literal["broadcast", "shm", "cuda_ipc"] = Field("broadcast", description="live: how each bucket reaches the generation actors (engines/weight_update.py). broadcast: over the update group (gloo), any node. shm: the trainer writes each bucket into one file in /dev/shm that every engine maps, the group carries only a signal per bucket; the training actor and every generation actor must sit on one Ray node (checked at each new group: a sync across nodes is refused naming the engines and nodes, never silently sent another way). cuda_ipc: the same with a CUDA buffer shared by IPC handle, for actor_train and actor_infer both on GPU on one node (refused otherwise, infra/resources.py check_placement; not run in this project's tests: no GPU in CI). Only with method: live.")
 
 
 def live_sync_check(fuse: int, off_policy_steps: int) -> None:
@@ -352,6 +353,10 @@ class FlyrollConfig(_Section):
                                  "the update corrects it with truncated importance sampling")
         if self.sync.method == "live":
             live_sync_check(self.loop.fuse, self.pipeline.off_policy_steps)
+        elif self.sync.transport != "broadcast":
+            raise ValueError(f"sync.transport={self.sync.transport} moves the weights of a live sync; with "
+                             f"sync.method={self.sync.method} the generators load each version from the store, so it "
+                             "would do nothing: set sync.method: live, or leave sync.transport at broadcast")
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (

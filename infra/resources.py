@@ -15,7 +15,7 @@ defaults they return exactly the profile values above. `hosted_roles` / `task_ac
 actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py).
 `pyflyte package` with FLYROLL_CONFIG=<preset> compiles a preset's placement into the tasks'
 resources. `check_placement(cfg)` refuses, before any cluster starts, a role placed on cuda whose
-worker requests no GPU.
+worker requests no GPU, and a `sync.transport: cuda_ipc` whose trainer or generators are not on cuda.
 
 This module only describes compute; infra/ray_cluster.py starts the clusters it describes (and
 declares a stage's Ray task, `ray_job`), infra/ray_session.py runs the actors in them.
@@ -256,6 +256,7 @@ def check_placement(cfg) -> None:
     no GPU. Called where a run's config is loaded, before any cluster starts (tasks/prepare.py
     `prepare_run`, the eval and bench CLIs, `pyflyte package` with FLYROLL_CONFIG): the check needs
     the profile's GPU requests, which are compute, not config (so configs/schema.py cannot make it)."""
+    check_sync_transport(cfg)
     gpu_roles = [r for r in ("actor_train", "actor_infer", "reference", "critic", "reward")
                  if getattr(cfg.placement, r).device == "cuda"]
     if not gpu_roles:
@@ -271,6 +272,23 @@ def check_placement(cfg) -> None:
                 f"placement.{'actor_train' if r == 'critic' else r}.gpu (e.g. 1)"
                 f"{' or run with FLYROLL_PROFILE=gpu' if profile() == 'cpu' else ''}, or set placement.{r}.device "
                 "to 'auto' or 'cpu'")
+
+
+def check_sync_transport(cfg) -> None:
+    """Refuse (ConfigError) `sync.transport: cuda_ipc` unless actor_train and actor_infer both resolve to
+    cuda: the trainer fills a CUDA buffer and the generation engines map it by its IPC handle, so both
+    processes need a GPU. (That every member sits on one node is checked where the actors are known,
+    tasks/live_sync.py.)"""
+    if cfg.sync.method != "live" or cfg.sync.transport != "cuda_ipc":
+        return
+    plan = placement_plan(cfg)
+    off = [f"{r} on {plan[r].device}" for r in ("actor_train", "actor_infer") if plan[r].device != "cuda"]
+    if off:
+        raise ConfigError(
+            f"sync.transport='cuda_ipc' shares each bucket as a CUDA buffer between the training actor and the generation "
+            f"actors, but placement resolves {', '.join(off)} (FLYROLL_PROFILE={profile()}); expected actor_train and "
+            "actor_infer on cuda (placement.<role>.gpu, or FLYROLL_PROFILE=gpu): set sync.transport to 'shm' (one node, "
+            "CPU memory) or 'broadcast'")
 
 
 def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:

@@ -5,10 +5,12 @@ the published checkpoint from the store.
 Called by the training stage right after its step (tasks/training.py), where the trainer and the
 generators are alive together: a fused task (tasks/fused.py) or a local run on one shared Ray
 instance (infra/ray_session.py). The group (rank 0 = training actor rank 0, ranks 1..N = the
-generation actors) is built once and reused while every member reports the same usable group; a new
-or restarted actor, or a failed sync, makes the next sync build a new one on a new port. The
-checkpoint is still published by weight_sync for lineage and resume; the generators then already
-serve its key, so the next rollout loads nothing.
+generation actors) is built once and reused while every member reports the same usable group over
+`sync.transport`; a new or restarted actor, a failed sync or another transport makes the next sync
+build a new one on a new port. The same-node transports (shm, cuda_ipc) are checked against the node
+each actor reports when a group is built: members on more than one node are refused, naming them,
+never sent another way. The checkpoint is still published by weight_sync for lineage and resume; the
+generators then already serve its key, so the next rollout loads nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import uuid
 import ray
 
 from infra.ray_session import shared_local_ray
-from infra.resources import role_devices
+from infra.resources import check_sync_transport, role_devices
 from tasks.pools import generation_actors
 from tasks.types import RunSpec
 
@@ -34,6 +36,7 @@ def check_live_sync(cfg, fused: bool) -> None:
                             "or a local run with FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage) the "
                             "store is the hand-off, because the training cluster is gone when the rollout starts: set "
                             "sync.method: store")
+    check_sync_transport(cfg)   # cuda_ipc: trainer and generators on cuda
 
 
 def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
@@ -42,7 +45,7 @@ def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
     LiveSyncError naming every engine that failed or reports another version."""
     gens = generation_actors(spec)
     names = [f"flyroll/{spec.run_id}/generation/{i}" for i in range(len(gens))]
-    _ensure_group(trainer, gens, names, cfg.sync.timeout_s, version)
+    _ensure_group(trainer, gens, names, cfg.sync.transport, cfg.sync.timeout_s, version)
     dtype = role_devices(cfg, "actor_infer")["actor_infer"][1]
     sent = trainer.send_weights.remote(version, dtype, cfg.sync.bucket_mb << 20)
     got = [g.receive_weights.remote(key) for g in gens]
@@ -64,23 +67,32 @@ def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
     return {**report, "engines": len(gens)}
 
 
-def _ensure_group(trainer, gens: list, names: list[str], timeout_s: float, version: int) -> None:
-    """The trainer and every generation actor in one usable update group; a new one when not."""
-    states, problems = [], []
-    for who, actor in [("trainer", trainer), *[(f"generation engine {n}", g) for n, g in zip(names, gens)]]:
+def _ensure_group(trainer, gens: list, names: list[str], transport: str, timeout_s: float, version: int) -> None:
+    """The trainer and every generation actor in one usable update group over `transport`; a new one
+    when not (a same-node transport only when every actor reports the same Ray node)."""
+    members, states, problems = ["trainer", *[f"generation engine {n}" for n in names]], [], []
+    for who, actor in zip(members, [trainer, *gens]):
         try:
             states.append(ray.get(actor.update_group_state.remote()))
         except Exception as e:  # noqa: BLE001 - a dead actor
             problems.append(f"{who}: {_short(e)}")
     if problems:
         raise LiveSyncError(f"live weight sync of policy v{version}: not started: " + "; ".join(problems))
-    if states[0] is not None and all(s == states[0] for s in states):
+    first = states[0]
+    if first["token"] is not None and first["transport"] == transport and all(s["token"] == first["token"] for s in states):
         return
+    nodes = {who: s["node"] for who, s in zip(members, states)}
+    if transport != "broadcast" and len(set(nodes.values())) > 1:
+        raise LiveSyncError(f"live weight sync of policy v{version}: sync.transport={transport} needs the training actor "
+                            "and every generation actor on one Ray node, and they are on " + ", ".join(
+                                f"{who} on node {node}" for who, node in nodes.items()) +
+                            "; set sync.transport: broadcast (any node), or place the roles on one node")
     token = uuid.uuid4().hex
     address, port = ray.get(trainer.free_port.remote())
     world = len(gens) + 1
-    ray.get([trainer.join_update_group.remote(address, port, world, token, timeout_s),
-             *[g.join_update_group.remote(address, port, world, rank, token, timeout_s) for rank, g in enumerate(gens, 1)]])
+    ray.get([trainer.join_update_group.remote(address, port, world, token, timeout_s, transport),
+             *[g.join_update_group.remote(address, port, world, rank, token, timeout_s, transport)
+               for rank, g in enumerate(gens, 1)]])
 
 
 def _short(e: Exception) -> str:

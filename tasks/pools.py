@@ -37,10 +37,21 @@ def generation_actors(spec: RunSpec) -> list:
                       actor_options_for(cfg, "actor_infer", shared_local_ray()))
 
 
+class EngineVersionError(RuntimeError):
+    """A generation engine that does not report the policy version it was asked to serve."""
+
+
 def generation_pool(spec: RunSpec, policy: PolicyRef) -> list:
-    """The run's generation actors, serving `policy` (first load or in-place weight update)."""
+    """The run's generation actors, serving `policy` (first load or in-place weight update). Every
+    engine reports the version it then serves; one that reports another is an EngineVersionError
+    naming it (`flyroll/<run_id>/generation/<i>`), what it serves and `policy`, never a rollout on a
+    stale policy."""
     workers = generation_actors(spec)
-    ray.get([w.load.remote(spec, policy.key) for w in workers])
+    served = ray.get([w.load.remote(spec, policy.key, policy.version) for w in workers])
+    wrong = [f"flyroll/{spec.run_id}/generation/{i} serves v{version} ({how})"
+             for i, (how, version) in enumerate(served) if version != policy.version]
+    if wrong:
+        raise EngineVersionError(f"generation engines asked to serve {policy.key} as v{policy.version}: " + "; ".join(wrong))
     return workers
 
 

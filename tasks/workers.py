@@ -93,40 +93,51 @@ class GenerationWorker:
         self.compile_decode, self.pack_weights = compile_decode, pack_weights
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
         self.aborts: dict[str, threading.Event] = {}  # request id -> its abort event, while it may still run
+        # called with i after bucket i of a live sync is applied (engines/weight_update.py `receive`): None in
+        # a run; tests/test_live_sync.py sets it to stop this actor in the middle of a sync
+        self.on_bucket = None
 
-    def load(self, spec, key: str) -> str:
-        """Make `key` the served policy: first load, or an in-place weight update."""
+    def load(self, spec, key: str, version: int) -> tuple[str, int | None]:
+        """Make `key`, policy version `version`, the served policy: first load, or an in-place weight
+        update. Returns (how: "cached" / "loaded" / "updated in place", the version the engine reports
+        it now serves); tasks/pools.py `generation_pool` refuses a report other than `version`."""
         if self.key == key:
-            return "cached"
+            return "cached", self.engine.version     # as the last load or live sync left it
         from tasks.common import TRAINING_ONLY, fetch_cached
 
         model_dir = fetch_cached(spec, key, skip=TRAINING_ONLY)
 
+        self.key = None                               # until the engine holds it in full
         if self.engine is None:
             self.engine, self.tokenizer = self._build(model_dir)
+            self.engine.version = version             # a new engine serves the directory it was built from
             how = "loaded"
         else:
-            self.engine.load_weights(model_dir)  # vLLM: reload_weights + prefix-cache reset
+            self.engine.load_weights(model_dir, version=version)  # vLLM: reload_weights + prefix-cache reset
             how = "updated in place"
         self.key = key
-        return how
+        return how, self.engine.version
 
-    def join_update_group(self, address: str, port: int, world_size: int, rank: int, token: str, timeout_s: float) -> str:
+    def join_update_group(self, address: str, port: int, world_size: int, rank: int, token: str, timeout_s: float,
+                          transport: str = "broadcast") -> str:
         """Join the model update group `token` as receiver `rank` (engines/weight_update.py; tasks/live_sync.py)."""
         from engines.weight_update import ModelUpdateGroup
 
         if getattr(self, "update_group", None) is not None:
             self.update_group.close()
         self.update_group = None
-        group = ModelUpdateGroup(address, port, world_size, rank, timeout_s=timeout_s,
+        group = ModelUpdateGroup(address, port, world_size, rank, transport=transport, timeout_s=timeout_s,
                                  member=f"generation actor {ray.get_runtime_context().get_actor_name()}")
         self.update_group, self.update_token = group, token
         return token
 
-    def update_group_state(self) -> str | None:
-        """The token of the usable update group this actor is in (None: none, or broken by a failed sync)."""
+    def update_group_state(self) -> dict:
+        """{"token": the usable update group this actor is in (None: none, or broken by a failed sync),
+        "transport": its transport, "node": this actor's Ray node id}."""
         group = getattr(self, "update_group", None)
-        return self.update_token if group is not None and not group.broken and self.engine is not None else None
+        usable = group is not None and not group.broken and self.engine is not None
+        return {"token": self.update_token if usable else None, "transport": group.transport if usable else None,
+                "node": ray.get_runtime_context().get_node_id()}
 
     def receive_weights(self, key: str) -> int | None:
         """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
@@ -134,7 +145,7 @@ class GenerationWorker:
             raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
                                f"(a new actor, started after the last rollout), so it cannot take {key} in place")
         self.key = None  # until every bucket is in: a torn engine serves no key
-        version = self.update_group.receive(self.engine)
+        version = self.update_group.receive(self.engine, on_bucket=self.on_bucket)
         self.key = key
         return version
 
@@ -466,20 +477,25 @@ class TrainWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def join_update_group(self, address: str, port: int, world_size: int, token: str, timeout_s: float) -> str:
+    def join_update_group(self, address: str, port: int, world_size: int, token: str, timeout_s: float,
+                          transport: str = "broadcast") -> str:
         """Rank 0 (the sender) of the model update group `token` (engines/weight_update.py)."""
         from engines.weight_update import ModelUpdateGroup
 
         if getattr(self, "update_group", None) is not None:
             self.update_group.close()
         self.update_group = None
-        self.update_group = ModelUpdateGroup(address, port, world_size, 0, timeout_s=timeout_s, member="trainer rank 0")
+        self.update_group = ModelUpdateGroup(address, port, world_size, 0, transport=transport, timeout_s=timeout_s,
+                                             member="trainer rank 0")
         self.update_token = token
         return token
 
-    def update_group_state(self) -> str | None:
+    def update_group_state(self) -> dict:
+        """As GenerationWorker.update_group_state: the usable group's token and transport, and this actor's node."""
         group = getattr(self, "update_group", None)
-        return self.update_token if group is not None and not group.broken else None
+        usable = group is not None and not group.broken
+        return {"token": self.update_token if usable else None, "transport": group.transport if usable else None,
+                "node": ray.get_runtime_context().get_node_id()}
 
     def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict:
         """Send the weights of the last `step(keep_weights=True)` -- or, with none kept, a one-process

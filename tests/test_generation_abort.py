@@ -26,7 +26,7 @@ def test_abort_stops_a_running_generate_and_frees_the_actor(tmp_path, monkeypatc
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         worker = GenerationWorker.options(num_cpus=0).remote(threads=1, micro_batch=8)
-        assert ray.get(worker.load.remote(spec, "runs/t/policy/v0000")) == "loaded"
+        assert ray.get(worker.load.remote(spec, "runs/t/policy/v0000", 0)) == ("loaded", 0)
         ids = ray.get(worker.encode.remote([f"{i}+{i}=" for i in range(64)], False))
         long = SamplingParams(n=8, temperature=1.0, max_new_tokens=120, seed=0)  # 64 micro-batches of 8 rows
 

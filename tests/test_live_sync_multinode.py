@@ -1,7 +1,8 @@
 """sync.method=live with the trainer and the generation engine on two different Ray nodes: a local
 two-node cluster (`ray.cluster_utils.Cluster`, started and shut down by tests/support/multinode_sync.py
 in a process of its own, so it never meets the Ray instance other tests share). The engine dials the
-group's store at the trainer's node address and ends up with the trainer's weights bit for bit."""
+group's store at the trainer's node address and ends up with the trainer's weights bit for bit; a sync
+over `sync.transport: shm` (one node only) is then refused naming both actors and their nodes."""
 
 from __future__ import annotations
 
@@ -33,3 +34,7 @@ def test_live_sync_between_two_ray_nodes_gives_the_engine_the_trainers_weights(t
     assert (got["key"], got["version"]) == ("runs/multinode/policy/v0001", 1)
     assert got["same_keys"] and got["dtypes"] == ["torch.float32"]
     assert got["bitwise_equal"] and got["moved"]                        # the new weights, not the ones it had
+    assert got["shm_refused"] is not None and "sync.transport=shm needs the training actor and every generation actor on " \
+        f"one Ray node, and they are on trainer on node {got['trainer_node']}, generation engine " \
+        f"flyroll/multinode/generation/0 on node {got['gen_node']}" in got["shm_refused"]
+    assert "policy v2" in got["shm_refused"]

@@ -387,7 +387,7 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
     store.publish(dir_a, v0, kind="checkpoint", producer="test")
     store.publish(dir_b, v1, kind="checkpoint", producer="test")
     with generation_actor(tmp_path, monkeypatch, root, engine_name) as (worker, spec):
-        assert ray.get(worker.load.remote(spec, v0)) == "loaded"
+        assert ray.get(worker.load.remote(spec, v0, 0)) == ("loaded", 0)
         ids = ray.get(worker.encode.remote(PROMPTS, False))
         assert ids == encode(tok, PROMPTS)  # the tokenizer every stage loads, not vLLM's
         n, max_new, stops = 4, 8, ("a", "e", "1", "2", "3")
@@ -413,12 +413,12 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
         check(before, model_a)
         assert {c.finish_reason for c in before} == {"stop", "length"}  # both endings exercised
         ray.get(worker.sleep.remote())  # between rollouts: a no-op on CPU
-        assert ray.get(worker.load.remote(spec, v1)) == "updated in place"
+        assert ray.get(worker.load.remote(spec, v1, 1)) == ("updated in place", 1)
         after = ray.get(worker.generate.remote(ids, params))
         check(after, model_b)  # now served: policy B
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
-        assert ray.get(worker.load.remote(spec, v1)) == "cached"
-        assert ray.get(worker.load.remote(spec, v0)) == "updated in place"
+        assert ray.get(worker.load.remote(spec, v1, 1)) == ("cached", 1)
+        assert ray.get(worker.load.remote(spec, v0, 0)) == ("updated in place", 0)
         assert [c.token_ids for c in ray.get(worker.generate.remote(ids, params))] == [c.token_ids for c in before]
 
 
@@ -437,7 +437,7 @@ def test_generation_worker_abort_stops_a_running_vllm_generate(policies, tmp_pat
     root = str(tmp_path / "store")
     ArtifactStore(root).publish(policies[3], "runs/t/policies/v0000", kind="checkpoint", producer="test")
     with generation_actor(tmp_path, monkeypatch, root, "vllm") as (worker, spec):
-        assert ray.get(worker.load.remote(spec, "runs/t/policies/v0000")) == "loaded"
+        assert ray.get(worker.load.remote(spec, "runs/t/policies/v0000", 0)) == ("loaded", 0)
         ids = ray.get(worker.encode.remote([f"{i}+{i}=" for i in range(64)], False))
         long = SamplingParams(n=8, temperature=1.0, max_new_tokens=112, seed=0)  # 512 rows, up to 112 tokens each
 

@@ -200,6 +200,74 @@ def test_a_receiver_killed_mid_sync_is_a_clear_error_not_a_hang():
     assert procs[1].exitcode == -signal.SIGKILL
 
 
+def sharded_trainer(rank, dist_port, group_port, q, leave):
+    """Training rank `rank` of 2: the tiny model sharded by the project's FSDP2 strategy (torch
+    `fully_shard`, gloo on CPU), each rank's shards moved in place (as an optimizer step moves them).
+    Rank 0 sends through the update group, rank 1 takes part in its per-parameter gathers
+    (`gather_only`); each reports whether every parameter was sharded, rank 0 also the digests of the
+    full weights (`full_state_dict`, a collective of both ranks) and the sync's bucket count."""
+    try:
+        from engines.strategies import FSDP2Strategy, init_distributed
+        from engines.weight_update import gather_only
+
+        torch.set_num_threads(1)
+        init_distributed(rank, 2, "127.0.0.1", dist_port, backend="gloo")
+        strategy = FSDP2Strategy()
+        model, _ = strategy.prepare(build_tiny_policy(**TINY, seed=0)[0], lambda ps: torch.optim.AdamW(ps, lr=1e-3), 1.0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().mul_(-0.5)
+        sharded = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in model.parameters())
+        full = strategy.full_state_dict()
+        if rank == 0:
+            group = ModelUpdateGroup("127.0.0.1", group_port, 2, 0, timeout_s=20, member="fsdp2 rank 0")
+            report = group.send(model.named_parameters(), version=7, bucket_bytes=BUCKET)
+            group.close()
+            q.put((rank, sharded, {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                                   for k, v in full.items()}, report.buckets))
+        else:
+            gather_only(model.named_parameters())
+            q.put((rank, sharded, None, None))
+    except BaseException as e:  # reported at once, not after the test's wait
+        q.put((rank, None, f"crashed: {type(e).__name__}: {e}", None))
+        raise
+    finally:
+        leave.wait(WAIT)
+
+
+def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_equal():
+    """Two FSDP2 training ranks (every parameter a DTensor holding half of it) and one fp32 engine:
+    rank 0 sends, gathering one parameter at a time as each bucket fills, while rank 1 joins those
+    gathers in the same order (`gather_only`); the engine then holds the full weights bit for bit: the
+    trainer's own gathered state dict, and the unsharded model with the same change."""
+    port, dist_port, world = free_port(), free_port(), 2
+    q, procs = start_engines(port, world)
+    ctx = mp.get_context("fork")
+    tq, leave = ctx.Queue(), ctx.Event()
+    trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave), daemon=True) for r in (0, 1)]
+    for p in trainers:
+        p.start()
+    try:
+        ranks = {r[0]: r for r in (tq.get(timeout=WAIT) for _ in trainers)}
+        _, served, weights, error, generated = reports(q, 1)[1]
+        assert ranks[0][1] is True and ranks[1][1] is True, ranks          # really sharded, on both ranks
+        assert ranks[0][3] > 2                                            # several buckets, each gathered as it filled
+        assert error is None and served == 7 and generated == "generated 1"
+        assert weights == ranks[0][2]                                     # = the trainer's full weights, bitwise
+        unsharded, _ = build_tiny_policy(**TINY, seed=0)
+        with torch.no_grad():
+            for p in unsharded.parameters():
+                p.mul_(-0.5)
+        assert weights == digests(unsharded)
+    finally:
+        leave.set()
+        for p in trainers:
+            p.join(timeout=WAIT)
+            if p.is_alive():
+                p.kill()
+        stop(procs)
+
+
 def test_a_bucket_below_the_largest_tensor_is_refused_naming_it():
     trainer, _ = build_tiny_policy(**TINY, seed=0)
     shapes = [(n, tuple(p.shape)) for n, p in trainer.named_parameters()]

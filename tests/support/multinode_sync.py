@@ -5,7 +5,8 @@ cluster (`ray.cluster_utils.Cluster`: the head with the custom resource `node_tr
 node with `node_infer`, 1 CPU each), puts the training actor on the head and the generation actor on
 the worker node, runs `tasks.live_sync.live_sync` over gloo between them, and prints one JSON line
 with what the test checks: each actor's node id, the address the group's store used, the sync's
-report, the engine's key and version, and whether its weights equal the trainer's bit for bit.
+report, the engine's key and version, whether its weights equal the trainer's bit for bit, and what
+a second sync with `sync.transport: shm` (one node only) says.
 
 Its own process because `Cluster` must not meet a `ray.init()` the pytest process already did (and
 a test started after it must not join this cluster: see infra/ray_cluster.py `task_cluster`, whose
@@ -50,7 +51,7 @@ def main(model_dir: str, work: str) -> dict:
     from infra.ray_session import actor_pool
     from infra.resources import role_devices
     from infra.store import ArtifactStore
-    from tasks.live_sync import live_sync
+    from tasks.live_sync import LiveSyncError, live_sync
     from tasks.types import RunSpec
     from tasks.workers import GenerationWorker, TrainWorker, generation_worker_kwargs
 
@@ -71,13 +72,19 @@ def main(model_dir: str, work: str) -> dict:
         (trainer,) = actor_pool(TrainWorker, "training", 1, run,
                                 {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
                                 {"num_cpus": 0, "resources": {"node_train": 1}})
-        ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000"))      # as after a rollout
+        ray.get(gen.load.remote(spec, f"runs/{run}/policy/v0000", 0))      # as after a rollout
         ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
 
         times["actors_ready_s"] = time.perf_counter() - t0 - times["cluster_start_s"]
         t1 = time.perf_counter()
         report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
         times["live_sync_s"] = time.perf_counter() - t1
+        shm = parse_config({**json.loads(cfg.to_json()), "sync": {**cfg.sync.model_dump(), "transport": "shm"}})
+        try:                                     # a same-node transport across the two nodes: refused, naming them
+            live_sync(spec, shm, trainer, 2, f"runs/{run}/policy/v0002")
+            refused = None
+        except LiveSyncError as e:
+            refused = str(e)
 
         def node(w):
             return ray.get_runtime_context().get_node_id()
@@ -91,7 +98,7 @@ def main(model_dir: str, work: str) -> dict:
         return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),
                 "nodes": nodes, "store_addr": list(store_addr), "trainer_ip": ray.get(trainer.__ray_call__.remote(
                     lambda w: ray.util.get_node_ip_address())),
-                "report": report, "times": times, "key": key, "version": version,
+                "report": report, "times": times, "shm_refused": refused, "key": key, "version": version,
                 "same_keys": held.keys() == sent.keys(), "dtypes": sorted({str(v.dtype) for v in held.values()}),
                 "bitwise_equal": all(torch.equal(held[k], sent[k]) for k in sent),
                 "moved": any(not torch.equal(held[k], v) for k, v in _v0(model_dir).items())}
