@@ -13,6 +13,9 @@ Flyte resources, its Ray cluster (one pod per worker) and the actors' reservatio
 reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
 defaults they return exactly the profile values above. `hosted_roles` / `task_actors` declare which
 actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py).
+The agentic rollout and evaluation tasks with `env.workers > 0` also start the env worker pool
+(infra/env_pool.py): their cluster gets one more CPU-only pod of ceil(env.workers x env.worker_cpus)
+CPUs for it (`env_pool_cpus`).
 `pyflyte package` with FLYROLL_CONFIG=<preset> compiles a preset's placement into the tasks'
 resources. `check_placement(cfg)` refuses, before any cluster starts, a role placed on cuda whose
 worker requests no GPU, and a `sync.transport: cuda_ipc` whose trainer or generators are not on cuda.
@@ -124,8 +127,37 @@ def stage_ray_job(cfg, name: str) -> RayJobConfig:
     if name == "fused":
         return fused_ray_job(cfg)
     if cfg is not None and name in _POOLS:
-        return ray_job_for(cfg, name)
+        return _with_env_workers(cfg, name, ray_job_for(cfg, name))
     return _profile_ray_job(name)
+
+
+ENV_POOL_TASKS = ("rollout", "evaluation")  # tasks/agentic.py starts RayEnvPool in rollout_episodes and evaluate_episodes
+
+
+def env_pool_cpus(cfg, task: str) -> int:
+    """CPUs the env worker pool (infra/env_pool.py: env.workers actors of env.worker_cpus each) needs in
+    stage `task`'s Ray cluster: 0 unless the task is an agentic one that starts it (env.workers > 0).
+    Rounded up to whole CPUs: a Ray node's num-cpus is an integer."""
+    e = getattr(cfg, "env", None)
+    if e is None or not e.workers or task not in ENV_POOL_TASKS:
+        return 0
+    return math.ceil(e.workers * e.worker_cpus - 1e-9)
+
+
+def _with_env_workers(cfg, task: str, job: RayJobConfig) -> RayJobConfig:
+    """`job` plus one CPU-only pod of `env_pool_cpus` CPUs for the env worker actors, so they run on
+    CPUs of their own instead of taking the generation actors' (RayEnvPool refuses a pool larger
+    than the cluster). Its memory is the scoring stage's pod (the profile's CPU-only worker pod: env
+    steps, like reward functions, are Python on CPU)."""
+    cpus = env_pool_cpus(cfg, task)
+    if not cpus:
+        return job
+    pod = role("scoring")
+    req = Resources(cpu=str(cpus), mem=pod.requests.mem)
+    lim = Resources(cpu=str(cpus), mem=pod.limits.mem)
+    group = WorkerNodeConfig(group_name=f"{task}-env-workers", replicas=1, requests=req, limits=lim,
+                             ray_start_params={"num-cpus": str(cpus)})
+    return dataclasses.replace(job, worker_node_config=[*job.worker_node_config, group])
 
 
 FUSED_STAGES = ("training", "rollout", "reference", "scoring")  # evaluation uses rollout's and scoring's actors
@@ -195,9 +227,13 @@ def hosted_roles(cfg, task: str) -> tuple[str, ...]:
 
 def task_actors(cfg, task: str) -> list[tuple[str, dict]]:
     """(placement role, Ray `.options(...)` on a cluster) of every actor stage task `task` can hold
-    at once: `num_workers` per hosted role. What its RayJobConfig (`stage_ray_job`) must have room for."""
+    at once: `num_workers` per hosted role, and ("env", ...) per env worker actor in the agentic
+    rollout and evaluation tasks (env.workers > 0). What its RayJobConfig (`stage_ray_job`) must have room for."""
     plan = placement_plan(cfg)
-    return [(r, actor_options_for(cfg, r, local=False)) for r in hosted_roles(cfg, task) for _ in range(plan[r].num_workers)]
+    actors = [(r, actor_options_for(cfg, r, local=False)) for r in hosted_roles(cfg, task) for _ in range(plan[r].num_workers)]
+    if env_pool_cpus(cfg, task):  # the env worker pool's actors (infra/env_pool.py RayEnvPool)
+        actors += [("env", {"num_cpus": cfg.env.worker_cpus})] * cfg.env.workers
+    return actors
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ PLACEMENTS = {  # beyond the presets: pools of several workers with their own pe
                                   "placement": {"actor_infer": {"cpu": 6, "gpu": 1, "memory": "40Gi"},
                                                 "reward": {"cpu": 2, "memory": "4Gi"}}}),
     "two-gpu-engines": ("grpo.yaml", {"rollout": {"num_workers": 2}, "placement": {"actor_infer": {"cpu": 8, "gpu": 2}}}),
+    "env-pool": ("frozenlake.yaml", {"env": {"workers": 4, "worker_cpus": 0.5}}),
 }
 
 
@@ -158,3 +159,29 @@ def test_dapo_compiled_for_gpus_gives_every_actor_room(tmp_path, monkeypatch):
     # the rollout task's cluster has the GPU its generation actor asks for, and room for the reward workers
     assert any(a[1].get("num_gpus") for a in r.task_actors(cfg, "rollout"))
     assert {role for role, _ in r.task_actors(cfg, "rollout")} == {"actor_infer", "reward"}
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_env_worker_pool_gets_cpus_of_its_own_in_the_agentic_clusters(monkeypatch, profile):
+    """env.workers=4 x env.worker_cpus=0.5: the rollout and evaluation clusters (tasks/agentic.py starts
+    RayEnvPool in both) get one more pod of 2 CPUs and the 4 env actors; the other stages, and the same
+    config with env.workers=0, are unchanged."""
+    from infra import resources as r
+    from infra.ray_cluster import node_shapes
+
+    monkeypatch.setenv("FLYROLL_PROFILE", profile)
+    preset = REPO / "configs" / "frozenlake.yaml"
+    none, pool = load_config(preset, ["env.workers=0"]), load_config(preset, ["env.workers=4", "env.worker_cpus=0.5"])
+    assert r.env_pool_cpus(none, "rollout") == 0 and r.env_pool_cpus(pool, "rollout") == 2
+    assert r.env_pool_cpus(load_config(preset, ["env.workers=3", "env.worker_cpus=0.5"]), "rollout") == 2  # 1.5, rounded up
+    for stage in ("rollout", "evaluation"):
+        before, after = node_shapes(r.stage_ray_job(none, stage)), node_shapes(r.stage_ray_job(pool, stage))
+        assert after == before + [(f"{stage}-env-workers-0", 2.0, 0.0)], (stage, before, after)
+        env_actors = [o for role, o in r.task_actors(pool, stage) if role == "env"]
+        assert env_actors == [{"num_cpus": 0.5}] * 4
+        assert len(r.task_actors(pool, stage)) == len(r.task_actors(none, stage)) + 4
+        assert sum(c for _, c, _ in after) - sum(c for _, c, _ in before) == 2.0
+        assert unplaced(r.task_actors(pool, stage), nodes_of_job(r.stage_ray_job(pool, stage))) == []
+    for stage in ("scoring", "reference", "training"):
+        assert node_shapes(r.stage_ray_job(pool, stage)) == node_shapes(r.stage_ray_job(none, stage)), stage
+        assert r.task_actors(pool, stage) == r.task_actors(none, stage), stage
