@@ -7,7 +7,8 @@ which batches whatever requests of all episodes are pending; its environment liv
 ``EnvWorkerPool`` (engines/env_workers.py) and steps there, off the generation thread. A slow step
 delays its own episode, not the others, and the engine keeps generating for the episodes that are
 ready. The episodes are built by the lock-step manager's own rules (engines/env_manager.py:
-``record_action`` / ``record_reply``, chat framing, truncation), so with a deterministic engine both
+``record_action`` / ``record_reply``, chat framing, the env's stop strings and tools
+(``EnvTurns``, carried in the pool's ``ResetResult``), truncation), so with a deterministic engine both
 managers give identical episodes for the same seeds (tests/test_async_env_manager.py).
 
 Groups: ``len(seeds)`` groups of ``group_size`` episodes are launched (launch more than you need);
@@ -46,6 +47,7 @@ from engines.env_manager import (
     FAILED_STEP_INFO,
     ChatFormat,
     Episode,
+    EnvTurns,
     _encode,
     check_first_prompt,
     first_prompt,
@@ -110,11 +112,12 @@ class _Run:
             start = await self._env(self.pool.reset(env_id, seed), "reset")
         except _StepTimeout:
             raise EnvWorkerLost(f"reset of {env_id!r} timed out") from None  # no prompt yet: retried like a lost worker
-        first = first_prompt(self.fmt, start.instructions, start.observation)
+        turns: EnvTurns = start.turns
+        first = first_prompt(self.fmt, start.instructions, start.observation, turns)
         ids = _encode(self.tokenizer, first)
         check_first_prompt(ids, self.env_name, seed, self.sampling.max_new_tokens, self.max_context_tokens)
         ep = Episode(seed=seed, group_id=g, sample_id=s, prompt=first, prompt_token_ids=ids)
-        params = dataclasses.replace(self.sampling, n=1)
+        params = turns.sampling(dataclasses.replace(self.sampling, n=1))   # the env's own stop strings too
         state_key = start.state_key
         for turn in range(self.max_turns):
             generated: Generated = await asyncio.wrap_future(

@@ -16,6 +16,13 @@ environment reply is wrapped as the template wraps a user turn — end of the as
 when the policy already produced the end-of-turn token), user header, observation, end of turn,
 assistant header — so an instruct model reads a normal conversation, still token-in/token-out.
 
+Environments may shape their turns (``EnvTurns``, read from optional attributes of the env): their
+own ``stop`` strings end a turn as ``sampling.stop`` does (tool_table: ``</tool_call>``,
+``</answer>``); ``tool_specs`` are rendered by the chat template (``apply_chat_template(...,
+tools=...)``) when it takes ``tools=`` (``ChatFormat.takes_tools``), with the env's plain-text
+description (``tools_preamble``, the end of its instructions) dropped so they are described once;
+otherwise the instructions keep that plain-text description.
+
 Truncation: before appending a reply, if prompt + response + reply + ``max_new_tokens`` would pass
 ``max_context_tokens`` the episode stops there with ``truncated = True`` (the reply is dropped).
 An environment that raises in ``step`` ends its episode (``env_error`` set), never the batch.
@@ -112,6 +119,31 @@ def reply_text(action_text: str, observation: str) -> str:
 
 
 @dataclass(frozen=True)
+class EnvTurns:
+    """What an environment adds to its turns' framing, from optional attributes of the env: ``stop``,
+    strings that end a policy turn (merged into ``sampling.stop``); ``tool_specs``, JSON-schema tool
+    specs for the chat template's ``tools=``; ``tools_preamble``, the end of ``instructions`` that
+    describes those tools in plain text ("" when the instructions do not describe them)."""
+    stop: tuple[str, ...] = ()
+    tool_specs: tuple = ()
+    tools_preamble: str = ""
+
+    @classmethod
+    def of(cls, env) -> "EnvTurns":
+        return cls(tuple(getattr(env, "stop", ()) or ()), tuple(getattr(env, "tool_specs", ()) or ()),
+                   getattr(env, "tools_preamble", "") or "")
+
+    def sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` with the environment's stop strings added (order kept, no repeats)."""
+        stop = tuple(dict.fromkeys((*sampling.stop, *self.stop)))
+        return sampling if stop == tuple(sampling.stop) else dataclasses.replace(sampling, stop=stop)
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "p",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+
+
+@dataclass(frozen=True)
 class ChatFormat:
     """How the tokenizer's chat template frames a conversation, cut into the pieces a multi-turn
     episode needs: ``first(instructions, observation)`` is the rendered system + user turn with the
@@ -121,6 +153,7 @@ class ChatFormat:
     end_of_turn: str
     user_open: str
     user_close: str
+    takes_tools: bool = False   # the template renders ``tools=`` (Qwen2.5, Hermes; SmolLM2's ignores it)
 
     @classmethod
     def of(cls, tokenizer) -> "ChatFormat":
@@ -131,16 +164,28 @@ class ChatFormat:
         between, after = text.split(Y, 1)[1].split(Z, 1)
         eos = tokenizer.eos_token or ""
         end = between[: between.index(eos) + len(eos)] if eos and eos in between else ""
-        return cls(tokenizer, end, between[len(end):], after)
+        return cls(tokenizer, end, between[len(end):], after, _takes_tools(tokenizer))
 
-    def first(self, instructions: str, observation: str) -> str:
+    def first(self, instructions: str, observation: str, tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
             [{"role": "system", "content": instructions.strip()}, {"role": "user", "content": observation}],
-            add_generation_prompt=True, tokenize=False)
+            add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}))
 
     def reply(self, action_ids: list[int], observation: str) -> str:
         ended = bool(action_ids) and action_ids[-1] == self.tokenizer.eos_token_id
         return ("" if ended else self.end_of_turn) + self.user_open + observation + self.user_close
+
+
+def _takes_tools(tokenizer) -> bool:
+    """Whether the chat template renders ``tools=``: a conversation with a probe tool renders
+    differently from the same one without."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    plain = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    try:
+        with_tools = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, tools=_PROBE_TOOLS)
+    except Exception:  # noqa: BLE001 -- a template that fails on tools= does not take them
+        return False
+    return with_tools != plain
 
 
 def run_episodes(
@@ -158,8 +203,9 @@ def run_episodes(
 ) -> list[Episode]:
     """Run ``len(seeds) × group_size`` episodes of ``env_name`` in lock-step; one
     ``engine.generate`` call per turn over all live episodes (n=1 each). Returns the episodes
-    ordered by (group, sample). Use ``sampling.stop=("\\n",)`` so a turn ends at its line;
-    ``chat=True`` frames the episode with the tokenizer's chat template (``ChatFormat``)."""
+    ordered by (group, sample). Use ``sampling.stop=("\\n",)`` so a turn ends at its line (the
+    environment's own ``stop`` strings are added, ``EnvTurns``); ``chat=True`` frames the episode
+    with the tokenizer's chat template (``ChatFormat``, the env's ``tool_specs`` as its ``tools=``)."""
     fmt = ChatFormat.of(tokenizer) if chat else None
     if group_size < 1 or max_turns < 1:
         raise ValueError(f"group_size and max_turns must be >= 1, got {group_size} and {max_turns}")
@@ -167,9 +213,10 @@ def run_episodes(
     for g, seed in enumerate(seeds):
         for s in range(group_size):
             env = make_env(env_name, **(env_kwargs or {}))
+            turns = EnvTurns.of(env)   # the same for every episode: one env_name, one env_kwargs
             try:
                 observation = env.reset(seed)
-                first = first_prompt(fmt, env.instructions, observation)
+                first = first_prompt(fmt, env.instructions, observation, turns)
             except Exception as e:  # a broken reset is a configuration error: say which seed
                 raise RuntimeError(f"environment {env_name!r} failed to reset with seed {seed}: {e!r}") from e
             ids = _encode(tokenizer, first)
@@ -177,6 +224,8 @@ def run_episodes(
             envs.append(env)
             episodes.append(Episode(seed=seed, group_id=g, sample_id=s, prompt=first, prompt_token_ids=ids))
     live = list(range(len(episodes)))
+    if envs:
+        sampling = EnvTurns.of(envs[0]).sampling(sampling)
     for turn in range(max_turns):
         if not live:
             break
@@ -211,8 +260,17 @@ def env_error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def first_prompt(fmt: "ChatFormat | None", instructions: str, observation: str) -> str:
-    """The first prompt's text: the chat template's system + user turns, or instructions + observation."""
+def first_prompt(fmt: "ChatFormat | None", instructions: str, observation: str, turns: EnvTurns = EnvTurns()) -> str:
+    """The first prompt's text: the chat template's system + user turns, or instructions + observation.
+    An environment with ``tool_specs`` under a template that takes ``tools=`` gets them rendered by the
+    template, its instructions without their plain-text ``tools_preamble``; otherwise that preamble
+    must be there (else the tools would be described nowhere: ``ValueError``)."""
+    if fmt is not None and turns.tool_specs and fmt.takes_tools:
+        return fmt.first(instructions.removesuffix(turns.tools_preamble), observation, tools=list(turns.tool_specs))
+    if turns.tool_specs and not turns.tools_preamble:
+        raise ValueError("the environment's tools are described neither by the chat template (chat off, or its template "
+                         "ignores tools=) nor in its instructions (no tools_preamble): build the environment with its "
+                         "plain-text tool description on (tool_table: describe_tools=True)")
     return fmt.first(instructions, observation) if fmt else instructions + observation
 
 

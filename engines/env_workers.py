@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engines.env_manager import FAILED_STEP_INFO, env_error_text
+from engines.env_manager import FAILED_STEP_INFO, EnvTurns, env_error_text
 from engines.envs import TextEnv, make_env
 
 
@@ -50,6 +50,7 @@ class ResetResult:
     observation: str      # the first observation
     instructions: str     # the environment's system text
     state_key: str        # the start state (GiGPO anchor of the first action)
+    turns: EnvTurns = EnvTurns()   # the env's stop strings and tools (engines/env_manager.py EnvTurns)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class EnvHost:
         env = self.envs.get(env_id) or self.factory()
         self.envs[env_id] = env
         observation = env.reset(seed)
-        return ResetResult(observation, env.instructions, env.state_key())
+        return ResetResult(observation, env.instructions, env.state_key(), EnvTurns.of(env))
 
     def step(self, env_id: str, action: str) -> StepResult:
         env = self.envs[env_id]

@@ -19,6 +19,7 @@ from flytekit import task
 from engines.async_env_manager import run_groups
 from engines.env_manager import episode_metrics
 from engines.env_workers import EnvSpec
+from engines.envs import ENVIRONMENTS
 from engines.generation_router import BatchingRouter
 from infra import tracking
 from infra.env_pool import RayEnvPool
@@ -35,9 +36,11 @@ EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for 
 def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = None):
     """The rollout's sampling (tasks/pools.py `rollout_sampling`) for one reply per episode turn:
     n=1, a newline stop when `rollout.stop` is empty, greedy (unseeded) or at `temperature`
-    (default `rollout.temperature`) seeded by the iteration."""
+    (default `rollout.temperature`) seeded by the iteration. An environment with its own `stop` strings
+    (tool_table) gets no newline stop: its calls span lines; the managers add its strings."""
     r = cfg.rollout
-    return rollout_sampling(cfg, None if greedy else cfg.run.seed * 100_003 + iteration, n=1, stop=tuple(r.stop) or ("\n",),
+    line = () if getattr(ENVIRONMENTS[cfg.env.name], "stop", ()) else ("\n",)  # an env's own stop strings replace it
+    return rollout_sampling(cfg, None if greedy else cfg.run.seed * 100_003 + iteration, n=1, stop=tuple(r.stop) or line,
                             temperature=0.0 if greedy else (r.temperature if temperature is None else temperature))
 
 

@@ -12,10 +12,12 @@ no answer, malformed JSON, unknown tool, wrong arguments, several calls, text ar
 calculator refusal) is an invalid action (``invalid_penalty``, state unchanged) whose observation,
 ``invalid: <why>``, says what was wrong.
 
-``describe_tools=True`` (default) puts the Hermes tool preamble (``tools_system_prompt``) into
-``instructions``, which works with any tokenizer; a manager that renders ``tool_specs`` through the
-chat template (``apply_chat_template(..., tools=env.tool_specs)``) builds the environment with
-``describe_tools=False`` so the tools are not described twice. ``python=True`` adds the sandboxed
+``describe_tools=True`` (default) puts the Hermes tool preamble (``tools_system_prompt``) at the end
+of ``instructions`` (kept as ``tools_preamble``), which works with any tokenizer; the env managers
+(engines/env_manager.py ``EnvTurns``) render ``tool_specs`` through a chat template that takes
+``tools=`` instead and then drop ``tools_preamble``, so the tools are described once.
+``describe_tools=False`` leaves the description to the template (a manager refuses it without one).
+``stop``: a turn ends at ``</tool_call>`` or ``</answer>``. ``python=True`` adds the sandboxed
 Python tool (bubblewrap; ``make_env`` fails with ``SandboxUnavailable`` on a host without it unless
 ``allow_weaker`` names a weaker mode). The text uses JSON and capitals, so this environment is for
 real tokenizers (SmolLM2, Qwen), not the tiny char-level policy.
@@ -98,6 +100,7 @@ def parse_answer(text: str) -> Fraction | None:
 
 class ToolTable:
     name = "tool_table"
+    stop = ("</tool_call>", "</answer>")   # a turn ends at its call or its answer (engines/env_manager.py EnvTurns)
 
     def __init__(self, invalid_penalty: float = INVALID_PENALTY, correct_reward: float = 1.0, tolerance: float = 0.01,
                  python: bool = False, describe_tools: bool = True, python_timeout_s: float = 3.0,
@@ -112,8 +115,8 @@ class ToolTable:
         self.instructions = ("Answer the question about the table. Use the tools for arithmetic: write one "
                              "<tool_call> per turn and nothing else. When you know the result, reply "
                              "<answer>NUMBER</answer> and nothing else.\n")
-        if describe_tools:
-            self.instructions += "\n" + tools_system_prompt(tools) + "\n"
+        self.tools_preamble = "\n" + tools_system_prompt(tools) + "\n" if describe_tools else ""
+        self.instructions += self.tools_preamble
         self.rows, self.question, self.value, self.expression = [], "", Fraction(0), ""
         self.results: list[str] = []
         self.done = False
