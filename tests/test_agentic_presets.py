@@ -10,7 +10,7 @@ from tests.support.agentic import _history, _run
 from tests.support.workflow import REPO
 
 ENVS = ("frozenlake", "sokoban", "tool_math")
-PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")]
+PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -68,3 +68,17 @@ def test_frozenlake_smollm2_preset_runs_with_the_chat_template(tmp_path):
     df = pd.read_parquet(f"{store.fetch(rollout_key, str(tmp_path / 'r'))}/rollout.parquet")
     assert len(df) == 4
     assert all(p.startswith("<|im_start|>system\nfrozenlake:") and p.endswith("<|im_start|>assistant\n") for p in df["prompt"])
+
+
+def test_tool_table_preset_turns_end_at_the_env_stop_strings_not_at_a_newline():
+    """A tool call spans lines: with rollout.stop empty the tool_table rollout gets no newline stop,
+    and the managers add the env's own (engines/env_manager.py EnvTurns); FrozenLake keeps its line stop."""
+    from configs.schema import load_config
+    from engines.env_manager import EnvTurns
+    from engines.envs import make_env
+    from tasks.agentic import _params
+
+    params = _params(load_config(REPO / "configs" / "tool_table_smollm2.yaml"), greedy=True)
+    assert params.stop == ()
+    assert EnvTurns.of(make_env("tool_table")).sampling(params).stop == ("</tool_call>", "</answer>")
+    assert _params(load_config(REPO / "configs" / "frozenlake.yaml"), greedy=True).stop == ("\n",)
