@@ -1,6 +1,6 @@
 """The Ray environment worker pool (infra/env_pool.py) under the asynchronous manager, on a real local
 Ray: the same episodes as the in-process lock-step reference for the same seeds with deterministic
-engines (a prompt-hash script, the tiny policy greedy); a killed env worker's episodes are retried
+engines (a prompt-hash script, the tiny policy greedy, a scripted tool caller on tool_table); a killed env worker's episodes are retried
 and counted; an environment that raises or hangs ends only its own episode."""
 
 from __future__ import annotations
@@ -54,6 +54,23 @@ def test_ray_pool_gives_the_lockstep_episodes(ray_local):
         out = run_async(name, seeds, pool=_pool(EnvSpec(name)))
         assert [fields(e) for e in out.episodes] == [fields(e) for e in ref]
         assert out.metrics["env_workers/actors"] == 2 and out.metrics["env_workers/lost"] == 0
+
+
+def test_ray_pool_carries_the_env_stop_strings_and_tools(ray_local):
+    """tool_table through the Ray actors: its stop strings and tool specs reach the manager in the
+    reset's EnvTurns (tests/test_tool_episodes.py has the in-process cases)."""
+    from tests.test_tool_episodes import CALL, QWEN25_TEMPLATE, SAMPLING, ScriptedToolEngine, _tokenizer
+
+    tok = _tokenizer(QWEN25_TEMPLATE)
+
+    def factory():
+        return ScriptedToolEngine(tok)
+    factory.tok = tok
+    common = dict(engine_factory=factory, chat=True, max_turns=5, max_context_tokens=4000, sampling=SAMPLING)
+    ref = lockstep("tool_table", [0, 1], **common)
+    out = run_async("tool_table", [0, 1], pool=_pool(EnvSpec("tool_table")), **common)
+    assert [fields(e) for e in out.episodes] == [fields(e) for e in ref]
+    assert all(e.actions[1] == CALL and "<tool_response>" in e.env_replies[1] for e in out.episodes)
 
 
 def test_ray_pool_with_the_tiny_policy_greedy(ray_local):
