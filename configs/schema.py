@@ -248,8 +248,15 @@ class PlacementConfig(_Section):
     reward: RoleResources = Field(default_factory=RoleResources, description="Resources of each reward worker.")
     colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
 
+    offload_generation: Literal["none", "cache", "weights"] = Field("none", description="What the generation engines (actor_infer) free after each rollout while actor_train, colocated with them, trains: 'none' (default) keeps them as they are; 'cache' frees the KV cache and generation buffers (engine sleep level 1: the HF engine hands its allocator's freed blocks back, vLLM on GPU drops its KV cache and offloads the weights to host memory); 'weights' frees the weights too (sleep level 2). The engines wake in stages before the next use: the weights first, filled by the live sync (sync.method=live) or a load from the store, then the cache; an engine never generates from unfilled weights. Needs actor_train and actor_infer in one placement.colocate group (otherwise nothing shares their memory). vLLM's sleep mode is GPU only: a vLLM engine on CPU refuses it at its first rollout. On a per-task Ray cluster (FLYROLL_RAY=per-task, unfused) the generation actors end with the rollout task anyway. Trade-off: 'weights' lowers the peak memory most (docs/placement.md has the measured figures) at the cost of a weight fill per rollout, which a store load makes slower than a live sync.")
+
     @model_validator(mode="after")
     def _check(self) -> "PlacementConfig":
+        if self.offload_generation != "none" and not any({"actor_train", "actor_infer"} <= set(g) for g in self.colocate):
+            raise ValueError(f"placement.offload_generation={self.offload_generation!r} needs actor_train and actor_infer in one "
+                             f"placement.colocate group (got colocate={[list(g) for g in self.colocate]}): the generation engines "
+                             "free memory for a trainer on the same devices; without colocation nothing uses it. Add "
+                             "[actor_train, actor_infer] to placement.colocate or set offload_generation: none")
         seen: dict[str, int] = {}
         for i, group in enumerate(self.colocate):
             for r in group:
@@ -481,8 +488,10 @@ class FlyrollConfig(_Section):
         """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
         hash, and a run started before the upgrade still resumes. (A changed default does not change it.)
-        Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way), so a run may be resumed with others."""
-        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True})
+        Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way;
+        placement.offload_generation: the engines serve the same weights after waking), so a run may be resumed with others."""
+        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True,
+                                                                             "placement": {"offload_generation"}})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

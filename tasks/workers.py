@@ -97,6 +97,7 @@ class GenerationWorker:
     def load(self, spec, key: str) -> str:
         """Make `key` the served policy: first load, or an in-place weight update."""
         if self.key == key:
+            self._wake(["kv_cache"])
             return "cached"
         from tasks.common import TRAINING_ONLY, fetch_cached
 
@@ -106,7 +107,9 @@ class GenerationWorker:
             self.engine, self.tokenizer = self._build(model_dir)
             how = "loaded"
         else:
+            self._wake(["weights"])  # after sleep(2): allocated, unfilled until the load
             self.engine.load_weights(model_dir)  # vLLM: reload_weights + prefix-cache reset
+            self._wake(["kv_cache"])
             how = "updated in place"
         self.key = key
         return how
@@ -134,7 +137,9 @@ class GenerationWorker:
             raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
                                f"(a new actor, started after the last rollout), so it cannot take {key} in place")
         self.key = None  # until every bucket is in: a torn engine serves no key
+        self._wake(["weights"])  # after sleep(2): allocated here, filled by the sync's buckets
         version = self.update_group.receive(self.engine)
+        self._wake(["kv_cache"])
         self.key = key
         return version
 
@@ -156,11 +161,22 @@ class GenerationWorker:
         return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode,
                                   pack_weights=self.pack_weights), tokenizer
 
-    def sleep(self) -> None:
-        """Free the engine's memory until its next call, between rollouts (vLLM on GPU: weights
-        offloaded, KV cache dropped; a no-op for `hf` and for vLLM on CPU)."""
-        if hasattr(self.engine, "sleep"):
-            self.engine.sleep()
+    def sleep(self, level: int = 1, setting: str | None = None) -> None:
+        """Free the engine's memory until its next use (engines/generation.py `GenerationEngine.sleep`):
+        level 1 the KV cache and generation buffers, level 2 the weights too; the next `load` or
+        `receive_weights` wakes it (weights, filled, then the cache). `setting`: the config option
+        that asked (placement.offload_generation); vLLM on CPU, whose sleep is a no-op, then refuses."""
+        if self.engine is None:
+            return
+        if setting is not None and getattr(self.engine, "on_cpu", False):
+            raise ValueError(f"{setting}: vLLM's sleep mode is GPU only and this vLLM install runs on CPU, so the "
+                             "engine would keep its memory; set placement.offload_generation: none, or rollout.engine: hf")
+        self.engine.sleep(level)
+        if "weights" in self.engine.asleep and level == 2:
+            self.key = None  # the weights are gone: the next load fills them again, even with the same key
+
+    def _wake(self, tags: list[str]) -> None:
+        self.engine.wake_up(tags)
 
     def encode(self, prompts: list[str], chat: bool) -> list[list[int]]:
         from engines.modeling import encode_prompts
