@@ -359,6 +359,12 @@ class FlyrollConfig(_Section):
                                  "the update corrects it with truncated importance sampling")
         if self.sync.method == "live":
             live_sync_check(self.loop.fuse, self.pipeline.off_policy_steps)
+        if (self.placement.offload_generation != "none" and self.loop.fuse == 1
+                and os.environ.get("FLYROLL_RAY", "shared") == "per-task"):
+            raise ValueError(f"placement.offload_generation={self.placement.offload_generation!r} with FLYROLL_RAY=per-task "
+                             "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
+                             "rollout task and share no memory with the trainer; set offload_generation: none, or "
+                             "loop.fuse > 1 (one cluster for the fused iterations)")
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (
@@ -450,6 +456,8 @@ class FlyrollConfig(_Section):
              "requests; the agentic rollout shards seeds over the generation workers")),
             ("loop.eval_samples", self.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
              "and env.eval_samples_per_seed")),
+            ("placement.offload_generation", self.placement.offload_generation != "none", ("the agentic rollout "
+             "(tasks/agentic.py) keeps its generation engines awake")),
         ) if on]
         for model, why in ((self.data, "episodes start from env seeds, not a data split"),
                            (self.reward, "no reward workers start: the reward is the environment's return")):
