@@ -26,10 +26,10 @@ from tasks.prompts import dynamic_sampling, iteration_prompts, read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
-@task(task_config=ray_job("rollout"), **task_resources("rollout"))
 OFFLOAD_LEVELS = {"none": 0, "cache": 1, "weights": 2}  # placement.offload_generation -> engine sleep level
 
 
+@task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
     """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
     `algorithm.filter_groups` also scored (reward, reward_error), B groups that pass the filters
