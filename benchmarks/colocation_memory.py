@@ -69,7 +69,10 @@ class RaySampler(threading.Thread):
                     kb = _status_kb(p.pid, "VmRSS", "VmHWM")
                 except (psutil.Error, OSError, ValueError):
                     continue
-                name = title.removeprefix("ray::").split(".")[0].split()[0]
+                # "ray::<actor name>:<Class>.<method>" for a named actor, "ray::<Class>..." otherwise
+                name = title.removeprefix("ray::").split()[0].split(":")[-1].split(".")[0]
+                if name.endswith("Agent"):  # Ray's own dashboard / runtime-env agents, not flyroll actors
+                    continue
                 seen = self.actors.setdefault(p.pid, {"actor": name, "peak_rss_mb": 0.0})
                 if seen["actor"] == "IDLE":  # an idle pooled worker that became an actor
                     seen["actor"] = name
