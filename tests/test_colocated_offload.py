@@ -70,3 +70,24 @@ def test_sleeping_colocated_generators_sample_what_awake_ones_do(tmp_path, monke
     awake, asleep = results["awake"], results["asleep"]
     assert asleep == awake                      # tokens and log-probs, every sampling
     assert awake[0] == awake[2] != awake[1]     # v0 again after the reload; v1 samples differently
+
+
+def test_offload_that_cannot_take_effect_is_refused_naming_the_field(monkeypatch):
+    from configs.schema import ConfigError, load_config, parse_config
+
+    both = {"colocate": [["actor_train", "actor_infer"]]}
+    for placement in ({"offload_generation": "cache"},
+                      {"offload_generation": "weights", "colocate": [["actor_train", "reference"], ["actor_infer"]]}):
+        with pytest.raises(ValueError, match=r"placement.offload_generation='\w+' needs actor_train and actor_infer in one "
+                                             r"placement.colocate group"):
+            parse_config({"placement": placement})
+    on = parse_config({"placement": {**both, "offload_generation": "weights"}})
+    assert on.placement.offload_generation == "weights"
+    assert on.hash() == parse_config({"placement": both}).hash()   # changes no result: resumable either way
+    with pytest.raises((ConfigError, ValueError), match=r"placement.offload_generation \(the agentic rollout"):
+        load_config(REPO / "configs" / "frozenlake.yaml", ['placement.colocate=[["actor_train", "actor_infer"]]',
+                                                             "placement.offload_generation=cache"])
+    monkeypatch.setenv("FLYROLL_RAY", "per-task")
+    with pytest.raises(ValueError, match=r"placement.offload_generation='cache' with FLYROLL_RAY=per-task and loop.fuse=1"):
+        parse_config({"placement": {**both, "offload_generation": "cache"}})
+    assert parse_config({"placement": {**both, "offload_generation": "cache"}, "loop": {"fuse": 2}}).loop.fuse == 2
