@@ -420,6 +420,19 @@ class TrainWorker:
         self.key = key
         return "loaded"
 
+    def release_memory(self) -> None:
+        """Hand the memory freed after a step back (glibc's heap, which this process keeps between steps,
+        engines/host_memory.py; CUDA's caching allocator on a GPU): asked when the generation engines
+        colocated with this trainer sleep between rollouts (placement.offload_generation), so the
+        rollout beside it finds the step's transient memory free. The next step pays the page faults."""
+        import torch
+
+        from engines.host_memory import release_freed_memory
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        release_freed_memory()
+
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
              trainer_state: bool = True, keep_weights: bool = False) -> tuple[dict, dict[str, bytes]]:
