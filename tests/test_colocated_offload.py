@@ -55,7 +55,7 @@ def test_sleeping_colocated_generators_sample_what_awake_ones_do(tmp_path, monke
 
     root = str(tmp_path / "store")
     colocated = {"colocate": [["actor_train", "actor_infer"]]}
-    base = {"run": {"torch_threads": 1}, "rollout": {"num_workers": 1}, "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 10}}
+    base = {"run": {"torch_threads": 1}, "rollout": {"num_workers": 1}, "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 60}}
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))  # the actors inherit the driver's env
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
