@@ -246,10 +246,17 @@ class PlacementConfig(_Section):
     reference: RoleResources = Field(default_factory=RoleResources, description="Resources of the reference-forward worker (reference and old log-probs, critic values).")
     critic: RoleResources = Field(default_factory=RoleResources, description="Extra resources the critic needs in each training worker (PPO with GAE); it always shares the actor_train workers.")
     reward: RoleResources = Field(default_factory=RoleResources, description="Resources of each reward worker.")
-    colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
+    colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Colocated actors still hold all their memory unless placement.offload_generation puts the generation engines to sleep between rollouts. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
+
+    offload_generation: Literal["none", "cache", "weights"] = Field("none", description="What the generation engines (actor_infer) free after each rollout while actor_train, colocated with them, trains: 'none' (default) keeps them as they are; 'cache' frees the KV cache and generation buffers (engine sleep level 1: the HF engine hands its allocator's freed blocks back, vLLM on GPU drops its KV cache and offloads the weights to host memory); 'weights' frees the weights too (sleep level 2). The engines wake in stages before the next use: the weights first, filled by the live sync (sync.method=live) or a load from the store, then the cache; an engine never generates from unfilled weights. Needs actor_train and actor_infer in one placement.colocate group (otherwise nothing shares their memory). vLLM's sleep mode is GPU only: a vLLM engine on CPU refuses it at its first rollout. On a per-task Ray cluster (FLYROLL_RAY=per-task, unfused) the generation actors end with the rollout task anyway. Trade-off: 'weights' lowers the peak memory most (docs/placement.md has the measured figures) at the cost of a weight fill per rollout, which a store load makes slower than a live sync.")
 
     @model_validator(mode="after")
     def _check(self) -> "PlacementConfig":
+        if self.offload_generation != "none" and not any({"actor_train", "actor_infer"} <= set(g) for g in self.colocate):
+            raise ValueError(f"placement.offload_generation={self.offload_generation!r} needs actor_train and actor_infer in one "
+                             f"placement.colocate group (got colocate={[list(g) for g in self.colocate]}): the generation engines "
+                             "free memory for a trainer on the same devices; without colocation nothing uses it. Add "
+                             "[actor_train, actor_infer] to placement.colocate or set offload_generation: none")
         seen: dict[str, int] = {}
         for i, group in enumerate(self.colocate):
             for r in group:
@@ -357,6 +364,12 @@ class FlyrollConfig(_Section):
             raise ValueError(f"sync.transport={self.sync.transport} moves the weights of a live sync; with "
                              f"sync.method={self.sync.method} the generators load each version from the store, so it "
                              "would do nothing: set sync.method: live, or leave sync.transport at broadcast")
+        if (self.placement.offload_generation != "none" and self.loop.fuse == 1
+                and os.environ.get("FLYROLL_RAY", "shared") == "per-task"):
+            raise ValueError(f"placement.offload_generation={self.placement.offload_generation!r} with FLYROLL_RAY=per-task "
+                             "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
+                             "rollout task and share no memory with the trainer; set offload_generation: none, or "
+                             "loop.fuse > 1 (one cluster for the fused iterations)")
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (
@@ -448,6 +461,8 @@ class FlyrollConfig(_Section):
              "requests; the agentic rollout shards seeds over the generation workers")),
             ("loop.eval_samples", self.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
              "and env.eval_samples_per_seed")),
+            ("placement.offload_generation", self.placement.offload_generation != "none", ("the agentic rollout "
+             "(tasks/agentic.py) keeps its generation engines awake")),
         ) if on]
         for model, why in ((self.data, "episodes start from env seeds, not a data split"),
                            (self.reward, "no reward workers start: the reward is the environment's return")):
@@ -486,8 +501,10 @@ class FlyrollConfig(_Section):
         """Short stable hash of the resolved config (tags, cache keys, run folder): of the settings that
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
         hash, and a run started before the upgrade still resumes. (A changed default does not change it.)
-        Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way), so a run may be resumed with others."""
-        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True})
+        Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way;
+        placement.offload_generation: the engines serve the same weights after waking), so a run may be resumed with others."""
+        values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True,
+                                                                             "placement": {"offload_generation"}})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

@@ -50,6 +50,32 @@ class GenerationEngine(Protocol):
 
     def load_weights(self, model_dir: str) -> None: ...
 
+    # Sleep / wake (both engines): `sleep(1)` frees what the engine caches between calls (the KV cache
+    # and generation buffers) and keeps the weights; `sleep(2)` frees the weights too. `wake_up(tags)`
+    # brings back "weights" and/or "kv_cache" (None: both). Weights woken after `sleep(2)` hold no
+    # policy until an update fills them (`update_weights` / `load_weights`); `generate` refuses until then.
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
+SLEEP_LEVELS = (1, 2)
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def check_sleep_level(level: int, engine: str) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"{engine}.sleep(level={level!r}): expected 1 (free the KV cache) or 2 (free the weights too)")
+
+
+def check_wake_tags(tags, engine: str) -> tuple[str, ...]:
+    """`tags` as a tuple, in WAKE_TAGS; None = every tag."""
+    tags = WAKE_TAGS if tags is None else tuple(tags)
+    bad = [t for t in tags if t not in WAKE_TAGS]
+    if bad or not tags:
+        raise ValueError(f"{engine}.wake_up(tags={list(tags)!r}): expected a non-empty subset of {list(WAKE_TAGS)}")
+    return tags
+
 
 class AbortOnEvent(StoppingCriteria):
     """Stops every row of a `generate` call once `event` is set, checked between decode steps, so an
@@ -156,6 +182,15 @@ def policy_only_generation_config(model):
         model.generation_config = own
 
 
+def _release_allocator_cache(model) -> None:
+    """Hand the allocator's freed blocks back: CUDA's cache on a GPU, glibc's heap on the host."""
+    from engines.host_memory import release_freed_memory
+
+    if any(p.device.type == "cuda" for p in model.parameters()) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    release_freed_memory()
+
+
 CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
 PACK_MIN_NEW_TOKENS = 8  # packing SmolLM2's linears costs ~0.2 s, what ~7 decode steps save
 
@@ -230,6 +265,44 @@ class HFGenerationEngine:
         self.pack_weights = pack_weights
         self.version: int | None = None   # the policy version served, set by whoever updates the weights
         self.torn: str | None = None      # a partial update (a live sync cut short): generate refuses
+        self.asleep: set[str] = set()     # what `sleep` freed and no `wake_up` brought back: "weights", "kv_cache"
+        self.unfilled = False             # weights woken after sleep(2), no update since: generate refuses
+        self._shapes: dict[torch.nn.Parameter, tuple[torch.Size, torch.dtype, torch.device]] = {}
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory until the next rollout (a colocated trainer needs it meanwhile).
+
+        Level 1: the KV cache and generation buffers. This engine keeps none between calls (each
+        `generate` builds its cache and packed weights and drops them when it returns), but the
+        allocator keeps their blocks: CUDA's caching allocator, or on CPU glibc's heap, which
+        engines/host_memory.py tells to keep freed memory. Level 1 hands those back to the device /
+        the OS (`torch.cuda.empty_cache`, `malloc_trim`). Level 2 also frees every parameter's
+        storage (each parameter then holds an empty tensor; buffers, a few KB of rotary tables,
+        stay), so the engine holds no policy until `wake_up(["weights"])` and an update."""
+        check_sleep_level(level, "HFGenerationEngine")
+        if level == 2 and "weights" not in self.asleep:
+            for p in self.model.parameters():  # tied weights are one Parameter, freed once
+                self._shapes[p] = (p.shape, p.dtype, p.device)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.asleep.add("weights")
+            self.version, self.unfilled = None, False
+        self.asleep.add("kv_cache")
+        _release_allocator_cache(self.model)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` freed, in stages: `["weights"]` allocates every parameter again
+        (uninitialised: the engine refuses to generate until `update_weights`/`load_weights` fills
+        them), `["kv_cache"]` lets `generate` build its cache again (nothing to allocate ahead here).
+        None: both. Waking what is not asleep does nothing."""
+        tags = check_wake_tags(tags, "HFGenerationEngine")
+        if "weights" in tags and "weights" in self.asleep:
+            for p, (shape, dtype, device) in self._shapes.items():
+                p.data = torch.empty(shape, dtype=dtype, device=device)
+            self._shapes.clear()
+            self.asleep.discard("weights")
+            self.unfilled = True
+        if "kv_cache" in tags:
+            self.asleep.discard("kv_cache")
 
     def load_weights(self, model_dir: str, version: int | None = None) -> None:
         """In-place weight update from a model directory (same architecture), no engine restart.
@@ -257,6 +330,9 @@ class HFGenerationEngine:
         pair at a time (views into the bucket buffer: nothing else is copied), each checked before its
         copy, and the engine is marked torn (`generate` refuses, `version` is None) until
         `finish_weight_update(version)` says every bucket arrived. A full update serves `version`."""
+        if "weights" in self.asleep:
+            raise RuntimeError(f"HFGenerationEngine is asleep with its weights freed (sleep(2)); wake_up(['weights']) "
+                               f"before updating them from {source}")
         own = self.model.state_dict()
         if partial:
             self.torn, self.version = source, None
@@ -278,11 +354,14 @@ class HFGenerationEngine:
         self.finish_weight_update(version)
 
     def finish_weight_update(self, version: int | None) -> None:
-        """Every weight of `version` is in place: serve it (clears a partial update's mark)."""
-        self.torn, self.version = None, version
+        """Every weight of `version` is in place: serve it (clears a partial update's mark, and the
+        mark of weights woken from sleep(2) and not yet filled)."""
+        self.torn, self.version, self.unfilled = None, version, False
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]:
         """name -> (shape, required) of every weight an update may give; a tied LM head is not required."""
+        if "weights" in self.asleep:
+            raise RuntimeError("HFGenerationEngine is asleep with its weights freed (sleep(2)); wake_up(['weights']) first")
         head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         tied = head is not None and head.weight is embed.weight
         return {k: (tuple(t.shape), not (tied and k.endswith("lm_head.weight"))) for k, t in self.model.state_dict().items()}
@@ -300,6 +379,11 @@ class HFGenerationEngine:
         if self.torn:
             raise RuntimeError(f"HFGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
                                "policy until a full update (a new sync, or load_weights of the last good version)")
+        if "weights" in self.asleep or self.unfilled:
+            raise RuntimeError("HFGenerationEngine holds no weights to generate from: they were freed by sleep(2)"
+                               + (" and woken but not filled" if self.unfilled else "") + "; wake_up(['weights']) "
+                               "then fill them (a live sync's update_weights, or load_weights from the store)")
+        self.asleep.discard("kv_cache")  # a call builds its own cache: generating wakes it
         out: list[Completion] = []
         packed: dict = {}  # MKL-packed weights for this call's chunks; freed when it returns
         for start in range(0, len(prompt_token_ids), self.micro_batch):

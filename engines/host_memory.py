@@ -7,7 +7,8 @@ tensor on a 2-core machine. For SmolLM2's GRPO step (8 x 8 samples, 32 new token
 of the rollout and ~0.6 s of the update (docs/benchmarks.md, benchmarks/cpu_step_costs.py).
 `keep_freed_memory()` turns the mmap path off and turns automatic trimming off, so freed blocks stay
 in the heap and the next step reuses them: the process holds its peak heap between steps.
-`malloc_trim(0)` (benchmarks/worker_memory.py) still hands free memory back when asked.
+`release_freed_memory()` (`malloc_trim(0)`) still hands free memory back when asked: a generation
+engine put to sleep (engines/generation.py `sleep`) and benchmarks/worker_memory.py call it.
 """
 
 from __future__ import annotations
@@ -25,5 +26,13 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, -1))
+    except (OSError, AttributeError):
+        return False
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the OS (glibc `malloc_trim(0)`); False where there is no glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False

@@ -21,7 +21,11 @@ Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, li
 - `update_weights(pairs, partial=True)` / `finish_weight_update(version)`: a live sync's buckets
   (engines/weight_update.py) in place through vLLM's layerwise reload, no files; `version` is the
   policy version served, and a sync cut short leaves the engine refusing to generate.
-- `sleep()` / `wake_up()`: free the weights and KV cache between rollouts on GPU; no-ops on CPU.
+- `sleep(level)` / `wake_up(tags)`: the generation engines' one protocol (engines/generation.py
+  `GenerationEngine`): level 1 offloads the weights to host memory and drops the KV cache, level 2
+  drops both; `wake_up(["weights"])` then `wake_up(["kv_cache"])` bring them back in stages, and
+  weights woken after level 2 serve nothing (generate refuses) until `load_weights` /
+  `update_weights` fill them. vLLM's sleep mode is GPU only: on CPU both are no-ops.
 
 vLLM is imported inside the class, so this module imports without it. vLLM starts its engine core
 in a spawned process: a script that builds this engine needs an `if __name__ == "__main__":` guard
@@ -183,7 +187,9 @@ class VLLMGenerationEngine:
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self._vllm = vllm
-        self.sleeping = False
+        self.asleep: set[str] = set()     # what sleep freed (GPU only): "weights", "kv_cache"
+        self.sleep_level = 0
+        self.unfilled = False             # weights woken after sleep(2), no update since: generate refuses
         self.last_reload_s = 0.0
         self.dtype = dtype
         self.version: int | None = None   # the policy version served (set by load_weights / a live sync)
@@ -209,7 +215,10 @@ class VLLMGenerationEngine:
         if self.torn:
             raise RuntimeError(f"VLLMGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
                                "policy until a full update (a new sync, or load_weights of the last good version)")
-        if self.sleeping:
+        if self.unfilled or (self.sleep_level == 2 and "weights" in self.asleep):
+            raise RuntimeError("VLLMGenerationEngine holds no weights to generate from: they were dropped by sleep(2); "
+                               "wake_up(['weights']) then fill them (a live sync's update_weights, or load_weights)")
+        if self.asleep:  # level 1: the weights come back from host memory, the KV cache is reallocated
             self.wake_up()
         engine, n = self.llm.llm_engine, params.n
         call = f"flyroll-{next(self._calls)}"  # unique per call: no id of an earlier (aborted) call is reused
@@ -274,11 +283,11 @@ class VLLMGenerationEngine:
         """In-place weight update from a model directory of the same architecture (no restart);
         `version`: the policy version it holds (reported by `self.version`)."""
         start = time.perf_counter()
-        self.wake_up()  # a sleeping engine's weights are offloaded or freed: bring them back to overwrite
+        self.wake_up(["weights"])  # a sleeping engine's weights are offloaded or dropped: bring them back to overwrite
         self.llm.collective_rpc("flyroll_reload_weights", args=(model_dir,))
         self.llm.reset_prefix_cache()
         self.model_dir = model_dir
-        self.torn, self.version = None, version
+        self.torn, self.version, self.unfilled = None, version, False
         self.last_reload_s = time.perf_counter() - start
 
     def update_weights(self, named_tensors, source: str = "the given tensors", partial: bool = False,
@@ -287,7 +296,7 @@ class VLLMGenerationEngine:
         bucket (`partial=True`, engines/weight_update.py; the engine is torn until
         `finish_weight_update`) or a whole model. The pairs go to vLLM's worker by `collective_rpc`
         (one copy through its IPC per bucket on CPU) into its layerwise reload."""
-        self.wake_up()
+        self.wake_up(["weights"])
         if self.torn is None:
             self.llm.collective_rpc("flyroll_begin_weight_update")
         self.torn, self.version = source, None
@@ -302,7 +311,7 @@ class VLLMGenerationEngine:
         of the old policy is reused), serve `version`."""
         self.llm.collective_rpc("flyroll_finish_weight_update")
         self.llm.reset_prefix_cache()
-        self.torn, self.version = None, version
+        self.torn, self.version, self.unfilled = None, version, False
 
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]:
         """name -> (shape, required) as in the model directory's safetensors (read from the headers:
@@ -322,15 +331,31 @@ class VLLMGenerationEngine:
         return dtype if isinstance(dtype, torch.dtype) else getattr(torch, self.dtype)
 
     def sleep(self, level: int = 1) -> None:
-        """Free weights (level 2) or offload them (level 1) and drop the KV cache; no-op on CPU."""
-        if not self.on_cpu and not self.sleeping:
-            self.llm.sleep(level=level)
-            self.sleeping = True
+        """Drop the KV cache and offload the weights to host memory (level 1) or drop them (level 2);
+        no-op on CPU (vLLM's sleep mode needs its CUDA allocator)."""
+        from engines.generation import check_sleep_level
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+        check_sleep_level(level, "VLLMGenerationEngine")
+        if self.on_cpu or self.asleep:
+            return
+        self.llm.sleep(level=level)
+        self.asleep, self.sleep_level = {"weights", "kv_cache"}, level
+        if level == 2:
+            self.version = None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back `tags` ("weights", "kv_cache"; None: both) that sleep freed, weights first when
+        both. Weights woken after sleep(2) are unfilled until the next update."""
+        from engines.generation import WAKE_TAGS, check_wake_tags
+
+        todo = [t for t in WAKE_TAGS if t in check_wake_tags(tags, "VLLMGenerationEngine") and t in self.asleep]
+        if not todo:
+            return
+        self.llm.wake_up(tags=todo)
+        self.asleep -= set(todo)
+        self.unfilled |= "weights" in todo and self.sleep_level == 2
+        if not self.asleep:
+            self.sleep_level = 0
 
     def close(self) -> None:
         """Stop vLLM's engine-core process now (it also stops when this object is collected)."""

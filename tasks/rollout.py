@@ -26,6 +26,9 @@ from tasks.prompts import dynamic_sampling, iteration_prompts, read_table
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 
 
+OFFLOAD_LEVELS = {"none": 0, "cache": 1, "weights": 2}  # placement.offload_generation -> engine sleep level
+
+
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int) -> pd.DataFrame:
     """B prompts x G samples -> one row per sample with token ids and behaviour log-probs; with
@@ -55,7 +58,10 @@ def rollout(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: in
             metrics.update(m)
         else:
             df = sample_groups(spec, workers, prompts, policy.version, iteration, cfg.run.seed * 100_003 + iteration)
-        ray.get([w.sleep.remote() for w in workers])  # free generation memory for the next stages (vLLM on GPU)
+        offload = OFFLOAD_LEVELS[cfg.placement.offload_generation]
+        if offload:  # free generation memory for the colocated trainer; load / live sync wakes the engines
+            ray.get([w.sleep.remote(offload, f"placement.offload_generation={cfg.placement.offload_generation}")
+                     for w in workers])
         check_columns(df, "rollout", *(("scoring",) if cfg.scores_in_rollout else ()), at="leaving rollout")
         lengths = df["response_token_ids"].map(len)
         metrics.update({

@@ -73,6 +73,8 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
             [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
                            args["train_actor"], here, with_state, live) for w in workers]
         )
+        if cfg.placement.offload_generation != "none":  # colocated generators wake next: give them the step's memory
+            ray.get([w.release_memory.remote() for w in workers])
         if live:  # the generators take the new weights now; weight_sync still publishes the checkpoint
             report = live_sync(spec, cfg, workers[0], iteration, policy_key(spec, iteration))
             metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),

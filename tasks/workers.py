@@ -102,6 +102,7 @@ class GenerationWorker:
         update. Returns (how: "cached" / "loaded" / "updated in place", the version the engine reports
         it now serves); tasks/pools.py `generation_pool` refuses a report other than `version`."""
         if self.key == key:
+            self._wake(["kv_cache"])
             return "cached", self.engine.version     # as the last load or live sync left it
         from tasks.common import TRAINING_ONLY, fetch_cached
 
@@ -113,7 +114,9 @@ class GenerationWorker:
             self.engine.version = version             # a new engine serves the directory it was built from
             how = "loaded"
         else:
+            self._wake(["weights"])  # after sleep(2): allocated, unfilled until the load
             self.engine.load_weights(model_dir, version=version)  # vLLM: reload_weights + prefix-cache reset
+            self._wake(["kv_cache"])
             how = "updated in place"
         self.key = key
         return how, self.engine.version
@@ -145,7 +148,9 @@ class GenerationWorker:
             raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
                                f"(a new actor, started after the last rollout), so it cannot take {key} in place")
         self.key = None  # until every bucket is in: a torn engine serves no key
+        self._wake(["weights"])  # after sleep(2): allocated here, filled by the sync's buckets
         version = self.update_group.receive(self.engine, on_bucket=self.on_bucket)
+        self._wake(["kv_cache"])
         self.key = key
         return version
 
@@ -167,11 +172,22 @@ class GenerationWorker:
         return HFGenerationEngine(model, tokenizer, micro_batch=self.micro_batch, compile_decode=self.compile_decode,
                                   pack_weights=self.pack_weights), tokenizer
 
-    def sleep(self) -> None:
-        """Free the engine's memory until its next call, between rollouts (vLLM on GPU: weights
-        offloaded, KV cache dropped; a no-op for `hf` and for vLLM on CPU)."""
-        if hasattr(self.engine, "sleep"):
-            self.engine.sleep()
+    def sleep(self, level: int = 1, setting: str | None = None) -> None:
+        """Free the engine's memory until its next use (engines/generation.py `GenerationEngine.sleep`):
+        level 1 the KV cache and generation buffers, level 2 the weights too; the next `load` or
+        `receive_weights` wakes it (weights, filled, then the cache). `setting`: the config option
+        that asked (placement.offload_generation); vLLM on CPU, whose sleep is a no-op, then refuses."""
+        if self.engine is None:
+            return
+        if setting is not None and getattr(self.engine, "on_cpu", False):
+            raise ValueError(f"{setting}: vLLM's sleep mode is GPU only and this vLLM install runs on CPU, so the "
+                             "engine would keep its memory; set placement.offload_generation: none, or rollout.engine: hf")
+        self.engine.sleep(level)
+        if "weights" in self.engine.asleep and level == 2:
+            self.key = None  # the weights are gone: the next load fills them again, even with the same key
+
+    def _wake(self, tags: list[str]) -> None:
+        self.engine.wake_up(tags)
 
     def encode(self, prompts: list[str], chat: bool) -> list[list[int]]:
         from engines.modeling import encode_prompts
@@ -414,6 +430,19 @@ class TrainWorker:
                 self.critic_engine.load_state_dict(state["critic"])
         self.key = key
         return "loaded"
+
+    def release_memory(self) -> None:
+        """Hand the memory freed after a step back (glibc's heap, which this process keeps between steps,
+        engines/host_memory.py; CUDA's caching allocator on a GPU): asked when the generation engines
+        colocated with this trainer sleep between rollouts (placement.offload_generation), so the
+        rollout beside it finds the step's transient memory free. The next step pays the page faults."""
+        import torch
+
+        from engines.host_memory import release_freed_memory
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        release_freed_memory()
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
