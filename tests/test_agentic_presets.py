@@ -1,5 +1,6 @@
 """The agentic presets: each validates and is headed by its run command; (nightly) the FrozenLake preset
-on the tiny model raises held-out success and effective-action rates over iteration 0, and the
+on the tiny model raises held-out success and effective-action rates over iteration 0 (the Sokoban
+preset's check of the same kind is an expected failure until it learns), and the
 SmolLM2 FrozenLake preset runs end to end with the chat template. Numbers are read from MLflow."""
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ import pytest
 
 from tests.support.agentic import _history, _run
 from tests.support.workflow import REPO
+
+# greedy success over 64 held-out rooms must rise by at least this (4 rooms); measured: docs/agentic.md "Sokoban"
+MARGIN_SOKOBAN = 0.0625
 
 ENVS = ("frozenlake", "sokoban", "tool_math")
 PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2"]
@@ -48,6 +52,22 @@ def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
     assert _history(c, run, "env/success_rate") and _history(c, run, "eval/invalid_action_rate")
     greedy = _history(c, run, "eval/greedy/success_rate")
     assert [s for s, _ in greedy] == [0, iterations] and greedy[-1][1] > greedy[0][1], greedy
+
+
+@pytest.mark.nightly
+@pytest.mark.timeout(3600)
+@pytest.mark.xfail(strict=True, reason="Sokoban does not learn yet: greedy 0.312 -> 0.234 over 8 iterations (docs/agentic.md "
+                                       "'Sokoban'); strict, so a preset that learns shows up as XPASS and this mark goes")
+def test_sokoban_preset_raises_greedy_success(tmp_path):
+    """configs/sokoban.yaml as shipped (8 iterations, evaluations at 0, 4 and 8): held-out greedy
+    success rises over iteration 0 by a margin the measured run clears (docs/agentic.md "Sokoban")."""
+    c, run, cfg = _run(tmp_path, "configs/sokoban.yaml")
+    iterations = cfg["loop"]["iterations"]
+    greedy = _history(c, run, "eval/greedy/success_rate")
+    assert [s for s, _ in greedy] == [0, 4, iterations], greedy
+    assert greedy[-1][1] >= greedy[0][1] + MARGIN_SOKOBAN, greedy
+    for key in ("eval/success_rate", "eval/greedy/effective_action_rate", "eval/greedy/turns", "env/success_rate"):
+        assert _history(c, run, key), key
 
 
 @pytest.mark.nightly  # ~6 min on 2 cores (SmolLM2 episodes at one thread); kept out of every CI run

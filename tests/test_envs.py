@@ -255,6 +255,24 @@ def test_sokoban_generator_is_seeded_solvable_and_bounded():
         assert 1 <= len(env.solve()) <= 6
 
 
+def test_sokoban_neighbours_line_names_the_four_adjacent_cells():
+    env = room("""xxxxx
+                  xtbpx
+                  x...x
+                  xxxxx""")
+    env.neighbours = True
+    assert env.render().endswith("x...x\nxxxxx\naround: left=box down=floor right=wall up=wall\n")
+    obs, _, _, _ = env.step("down")
+    assert obs.splitlines()[-2] == "around: left=floor down=wall right=wall up=floor"
+    env.step("left")                                      # now below the box
+    assert env.render().splitlines()[-1] == "around: left=floor down=wall right=floor up=box"
+    env.step("left")
+    assert env.render().splitlines()[-1] == "around: left=wall down=wall right=floor up=target"
+    plain = make_env("sokoban", dim_room=(5, 5), inner_walls=0, max_moves=3)
+    near = make_env("sokoban", dim_room=(5, 5), inner_walls=0, max_moves=3, neighbours=True)
+    assert near.reset(3).startswith(plain.reset(3).removesuffix("move: ")) and near.solve() == plain.solve()
+
+
 def test_sokoban_bad_room_names_the_tile():
     with pytest.raises(ValueError, match="unknown tile '#'"):
         Sokoban().set_room(["###", "#p#"])

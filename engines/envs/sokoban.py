@@ -16,6 +16,10 @@ is cheap) is a deadlock and ends the episode with ``success = False`` and ``info
 
 Text (tiny-tokenizer characters only): ``x`` wall, ``.`` floor, ``t`` target, ``b`` box,
 ``*`` box on target, ``p`` player, ``+`` player on target; actions ``left down right up``.
+With ``neighbours=True`` each rendering ends with one more line naming the four cells next to the
+player, ``around: left=wall down=box right=floor up=target`` (the grid made local, as FrozenLake's
+option of the same name): a small char-level policy finds the box and the walls there instead of
+counting columns. The rules and the grid are unchanged.
 """
 
 from __future__ import annotations
@@ -124,10 +128,10 @@ class Sokoban:
 
     def __init__(self, dim_room: tuple[int, int] = (6, 6), inner_walls: int = 2, max_moves: int = 8,
                  invalid_penalty: float = INVALID_PENALTY, win_reward: float = 1.0, step_penalty: float = 0.0,
-                 end_on_deadlock: bool = True):
+                 end_on_deadlock: bool = True, neighbours: bool = False):
         self.dim_room, self.inner_walls, self.max_moves = tuple(dim_room), inner_walls, max_moves
         self.invalid_penalty, self.win_reward, self.step_penalty = invalid_penalty, win_reward, step_penalty
-        self.end_on_deadlock = end_on_deadlock
+        self.end_on_deadlock, self.neighbours = end_on_deadlock, neighbours
         self.floor: set[Cell] = set()
         self.targets: set[Cell] = set()
         self.box: Cell = (0, 0)
@@ -209,4 +213,15 @@ class Sokoban:
                 else:
                     line.append("t" if on_target else ".")
             rows.append("".join(line))
-        return "\n".join(rows) + "\n"
+        text = "\n".join(rows) + "\n"
+        if self.neighbours:
+            text += "around: " + " ".join(f"{m}={self._neighbour(m)}" for m in MOVES) + "\n"
+        return text
+
+    def _neighbour(self, move: str) -> str:
+        cell = _add(self.player, DELTAS[move])
+        if cell == self.box:
+            return "box"
+        if cell not in self.floor:
+            return "wall"
+        return "target" if cell in self.targets else "floor"
