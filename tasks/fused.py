@@ -5,12 +5,13 @@ per stage and iteration, a Ray cluster start, the engine actors' start and a mod
 store. The fused task runs the same stage bodies, in the same recipe (tasks/recipe.py), one after another on one cluster that holds every
 stage's nodes (`infra.resources.fused_ray_job`): the engine actors are created once, stay warm, and
 the generators take each new policy in place (tasks/weight_sync.py, `ray.is_initialized()`).
-Nothing else changes: every iteration publishes its policy and rollout table, registers the model
+Nothing else changes: every iteration publishes its policy (with `checkpoint.publish_every` > 1 only the due ones) and rollout table, registers the model
 version and logs its MLflow child run exactly as the separate tasks do, so lineage and resume are
 those of the unfused loop, and with the same seeds the results are the same
 (tests/test_workflow.py `test_fused_iterations_give_the_same_run_in_one_task`). With
 `checkpoint.optimizer_every` > 1 the last iteration of the task publishes its trainer state whatever
-the rule says of the others (on a Flyte cluster the task's actors end with it).
+the rule says of the others (on a Flyte cluster the task's actors end with it); likewise with
+`checkpoint.publish_every` > 1 the last iteration of the task is published (tasks/publish_plan.py).
 
 Between stages the rollout table goes through parquet, as it does between tasks (Flyte's
 StructuredDataset), so every stage reads exactly the table it would read unfused.
@@ -89,7 +90,8 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
         # the training actors live on to the next iteration of this task; the last one's checkpoint
         # holds the trainer state (checkpoint.optimizer_every: tasks/replay.py)
         train=lambda **kw: train.task_function(**kw, actor_kept=kw["iteration"] < end),
-        publish_weights=publish_weights.task_function)
+        # checkpoint.publish_every: the last iteration of the task is published (tasks/publish_plan.py)
+        publish_weights=lambda **kw: publish_weights.task_function(**kw, actor_kept=kw["iteration"] < end))
     try:
         return FusedOut(*run_iterations(
             step=lambda p, generator, it: one_iteration(stages, spec, p, generator, reference, dataset, it),
