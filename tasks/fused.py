@@ -16,6 +16,11 @@ the rule says of the others (on a Flyte cluster the task's actors end with it); 
 Between stages the rollout table goes through parquet, as it does between tasks (Flyte's
 StructuredDataset), so every stage reads exactly the table it would read unfused.
 
+With `sync.method: live` the generators never wait for the store, so the publish of a due version
+(every version, or every `checkpoint.publish_every`-th) runs in a background thread overlapping the
+next iteration: one in flight, joined before the next publish (its lineage reads the store), before
+an evaluation and at the task's end; a failure is re-raised there naming the version.
+
 With `pipeline.off_policy_steps` > 0 the next iteration's sampler is published before this
 iteration's update starts, so the fused task samples the next iteration's rollout in a thread on
 the generation actors while this iteration scores, runs the reference forward and trains on the
@@ -35,6 +40,8 @@ from flytekit import task
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import config_of
+from tasks.keys import policy_key
+from tasks.publish_plan import BackgroundPublish, publish_due
 from tasks.evaluation import evaluate
 from tasks.recipe import Stages, generator_policy, one_iteration, run_iterations
 from tasks.reference import reference_forward
@@ -60,7 +67,8 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
     """Iterations first..first+count-1 from `policy` (of the run that began at `origin`); returns the
     last policy, the accuracy of the last evaluation in the chunk (-1.0 when none), and the last
     iteration's scored table."""
-    lag = config_of(spec).pipeline.off_policy_steps
+    cfg = config_of(spec)
+    lag = cfg.pipeline.off_policy_steps
     end = first + count - 1
     versions: dict = {}  # this chunk's policies by version (tasks/recipe.py `run_iterations` fills it)
     # with a lag the next iteration's sampler is already published, so its rollout runs on the
@@ -78,9 +86,25 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
                                                   iteration + 1)
         return batch
 
+    # sync.method live: the generators never wait for the store, so a due version's publish runs in
+    # the background, overlapping the next iteration (tasks/publish_plan.py `BackgroundPublish`)
+    behind = BackgroundPublish() if cfg.sync.method == "live" else None
+
+    def publish(**kw) -> PolicyRef:
+        it, kept = kw["iteration"], kw["iteration"] < end  # the last of the task is published
+        if behind is None:
+            return publish_weights.task_function(**kw, actor_kept=kept)
+        behind.join()  # one in flight; the next one's lineage reads the store (tasks/publish_plan.py)
+        if not publish_due(it, cfg.checkpoint.publish_every, cfg.loop.iterations, cfg.loop.eval_every, kept):
+            return publish_weights.task_function(**kw, actor_kept=kept)  # skipped: nothing to upload
+        behind.submit(it, publish_weights.task_function, **kw, actor_kept=kept)
+        return PolicyRef(key=policy_key(spec, it), version=it)  # the model version comes with the join
+
     def evaluate_after(policy: PolicyRef) -> float:
         for f in pending.values():
             f.result()  # the evaluation loads its policy into the same generation actors
+        if behind is not None:
+            policy = behind.published(policy)  # in the store, with its model version, before it is evaluated
         return evaluate.task_function(spec=spec, policy=policy, dataset=dataset)
 
     stages = Stages(
@@ -90,13 +114,17 @@ def fused_iterations(spec: RunSpec, origin: PolicyRef, policy: PolicyRef, refere
         # the training actors live on to the next iteration of this task; the last one's checkpoint
         # holds the trainer state (checkpoint.optimizer_every: tasks/replay.py)
         train=lambda **kw: train.task_function(**kw, actor_kept=kw["iteration"] < end),
-        # checkpoint.publish_every: the last iteration of the task is published (tasks/publish_plan.py)
-        publish_weights=lambda **kw: publish_weights.task_function(**kw, actor_kept=kw["iteration"] < end))
+        publish_weights=publish)
     try:
-        return FusedOut(*run_iterations(
+        state = run_iterations(
             step=lambda p, generator, it: one_iteration(stages, spec, p, generator, reference, dataset, it),
             evaluate=evaluate_after, spec=spec, origin=origin, start=policy, first=first, end=end, last=last,
-            eval_every=eval_every, lag=lag, versions=versions))
+            eval_every=eval_every, lag=lag, versions=versions)
+        if behind is not None:
+            state = state._replace(policy=behind.published(state.policy))  # joined at the task's end
+        return FusedOut(*state)
     finally:
         if ahead is not None:
             ahead.shutdown(wait=True, cancel_futures=True)
+        if behind is not None:
+            behind.close()

@@ -13,13 +13,20 @@ whole. A run killed between publishes resumes from its newest published version 
 `resume_point`) and runs the iterations after it again: at one torch thread they give the same
 samples and updates, so the run ends with the same weights as one never killed
 (tests/test_publish_every.py).
+
+In a fused task with live sync a due version's publish runs in a background thread
+(`BackgroundPublish`) overlapping the next iteration: one in flight, joined before the next
+publish, before an evaluation and at the task's end.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
 from tasks.keys import is_policy_of, parse_policy_key, rollout_table_key
 from tasks.recipe import evaluates
-from tasks.types import RunSpec
+from tasks.types import PolicyRef, RunSpec
 
 UNPUBLISHED = "unpublished_iterations"  # manifest metadata of a published version: the skipped iterations since its parent
 
@@ -45,3 +52,47 @@ def unpublished_since(store, spec: RunSpec, parent: str) -> tuple[str, list[dict
         skipped.append({"iteration": iteration, "key": parent, "rollout_table": table})
         parent = store.manifest(table).parents[0]
     return parent, skipped[::-1]
+
+
+class BackgroundPublishError(RuntimeError):
+    """A publish that ran in the background failed; names the version."""
+
+
+class BackgroundPublish:
+    """One publish in flight in a background thread (tasks/fused.py with sync.method live, where the
+    generators never wait for the store): `submit` starts one after joining the one before, `join`
+    waits for it and re-raises its failure naming the version. `done` maps each joined version to the
+    PolicyRef the publish returned (with its MLflow model version)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flyroll-publish")
+        self._inflight: tuple[int, Future] | None = None
+        self.done: dict[int, PolicyRef] = {}
+
+    def submit(self, version: int, publish: Callable[..., PolicyRef], /, **kwargs) -> None:
+        self.join()
+        self._inflight = (version, self._pool.submit(publish, **kwargs))
+
+    def join(self) -> None:
+        if self._inflight is None:
+            return
+        (version, future), self._inflight = self._inflight, None
+        try:
+            self.done[version] = future.result()
+        except Exception as e:
+            raise BackgroundPublishError(f"background publish of policy v{version} failed: {type(e).__name__}: {e}") from e
+
+    def published(self, policy: PolicyRef) -> PolicyRef:
+        """`policy` as the store holds it, once any publish in flight has ended (its model version set)."""
+        self.join()
+        return self.done.get(policy.version, policy)
+
+    def close(self) -> None:
+        """Wait for the publish in flight; called on the way out, so its failure is printed, not
+        raised over the error already on its way (a clean exit joins first)."""
+        try:
+            self.join()
+        except BackgroundPublishError as e:
+            print(f"flyroll: {e}", flush=True)
+        finally:
+            self._pool.shutdown(wait=True)

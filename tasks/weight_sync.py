@@ -52,8 +52,10 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         # publish_every > 1: the parent in the store is the newest published ancestor; the skipped
         # versions between are named with their rollout tables (lineage stays whole)
         ancestor, skipped = unpublished_since(store, spec, parent.key)
-        parent_model_version = parent.model_version if ancestor == parent.key else \
-            store.manifest(ancestor).metadata.get("model_version", "")
+        # from the store when the parent is not the one the caller knows (or was published in the
+        # background: tasks/fused.py hands on its key before the publish ends)
+        parent_model_version = parent.model_version if ancestor == parent.key and parent.model_version else \
+            store.manifest(ancestor).metadata.get("model_version", parent.model_version if ancestor == parent.key else "")
         child = iteration_run(spec, iteration, {"flyroll.policy_in": parent.key, "flyroll.policy_out": key,
                                                 "flyroll.policy_in_model_version": parent_model_version})
         lineage = {

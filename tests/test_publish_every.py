@@ -85,6 +85,33 @@ def test_a_published_version_names_the_skipped_ones_and_pruning_walks_past_them(
     assert STATE not in store.manifest(pol[1]).files and STATE in store.manifest(pol[4]).files
 
 
+def test_background_publish_keeps_one_in_flight_and_names_a_failed_version():
+    import threading
+
+    from tasks.publish_plan import BackgroundPublish, BackgroundPublishError
+    from tasks.types import PolicyRef
+
+    release, running = threading.Event(), []
+
+    def publish(version: int, fail: bool = False) -> PolicyRef:
+        running.append(version)
+        release.wait(10)
+        if fail:
+            raise OSError("store unreachable")
+        return PolicyRef(key=f"runs/r/policy/v{version:04d}", version=version, model_version=str(version))
+
+    behind = BackgroundPublish()
+    behind.submit(2, publish, version=2)
+    threading.Timer(0.2, release.set).start()
+    behind.submit(4, publish, version=4, fail=True)  # joins v2 first: never two in flight
+    assert behind.done[2].model_version == "2"
+    with pytest.raises(BackgroundPublishError, match=r"background publish of policy v4 failed: OSError: store unreachable"):
+        behind.published(PolicyRef(key="runs/r/policy/v0004", version=4))
+    assert running == [2, 4]  # one after the other
+    assert behind.published(PolicyRef(key="runs/r/policy/v0002", version=2)).model_version == "2"  # nothing in flight
+    behind.close()
+
+
 def _policies(tmp: Path):
     from infra.store import ArtifactStore
 
