@@ -40,9 +40,9 @@ from flytekit import task
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.common import config_of
+from tasks.evaluation import evaluate
 from tasks.keys import policy_key
 from tasks.publish_plan import BackgroundPublish, publish_due
-from tasks.evaluation import evaluate
 from tasks.recipe import Stages, generator_policy, one_iteration, run_iterations
 from tasks.reference import reference_forward
 from tasks.rollout import rollout
