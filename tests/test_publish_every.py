@@ -42,6 +42,7 @@ def test_publish_every_is_refused_where_a_skipped_version_would_be_read_from_the
     for change, named in (({"sync": {"method": "store"}}, "sync.method='store'"),
                           ({"checkpoint": {"publish_every": 3, "optimizer_every": 2}}, "checkpoint.optimizer_every=2"),
                           ({"training": {"mini_batch_size": 8}}, "training.mini_batch_size=8"),
+                          ({"loop": {"fuse": 1}}, "loop.fuse=1"),
                           ({"algorithm": {"old_logprobs": "recompute"}}, "old_logprobs='recompute'"),
                           ({"algorithm": {"advantage": "gae"}}, "algorithm.advantage=gae")):
         with pytest.raises(ValueError, match="checkpoint.publish_every=3") as e:
