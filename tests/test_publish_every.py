@@ -14,7 +14,7 @@ from tests.support.processes import run_until_marker_then_kill
 from tests.support.workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
 
 STATE = "trainer_state.pt"
-REWARD = "tests.test_resume:pausing_starts_with_digit"  # the e2e reward, pausing once when told to
+REWARD = "tests.support.rewards:pausing_starts_with_digit"  # the e2e reward, pausing once when told to
 # fused (one task, one Ray cluster), live sync, every 2nd version published, pi_old from the update's own forward
 LEAN = dict(loop={"iterations": 4, "eval_every": 4, "fuse": 4}, sync={"method": "live"}, checkpoint={"publish_every": 2},
             training={"mini_batch_size": 16}, reward={"functions": {"arithmetic": REWARD, "reverse": REWARD}, "timeout_s": 120})
