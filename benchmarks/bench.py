@@ -315,7 +315,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "fused (loop.fuse: N, all N iterations in one task, with FLYROLL_RAY=per-task: the cluster shape, so "
                          "it compares with per-task), async (not in the default: fused with pipeline.off_policy_steps 1, "
                          "the next rollout beside the update; compare with fused), fused-live (not in the default: fused with sync.method "
-                         "live, the trainer sends the weights to the generators; compare with fused); a table puts their wall, compute, "
+                         "live, the trainer sends the weights to the generators; compare with fused), fused-live-lean (not in the default: "
+                         "fused-live with checkpoint.publish_every 4; compare with fused-live); a table puts their wall, compute, "
                          "orchestration and Ray start side by side")
     ap.add_argument("--learning", action="store_true",
                     help="instead: flyroll vs TRL trained for the same wall-clock budget, accuracy vs time (its options: "
@@ -331,8 +332,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if eng not in ("hf", "vllm"):
             ap.error(f"--engines/--pipeline-engines: unknown engine {eng!r} (expected hf or vllm)")
     for mode in args.pipeline_modes.split(","):
-        if mode not in ("shared", "per-task", "fused", "async", "fused-live"):
-            ap.error(f"--pipeline-modes: unknown mode {mode!r} (expected shared, per-task, fused, async or fused-live)")
+        if mode not in ("shared", "per-task", "fused", "async", "fused-live", "fused-live-lean"):
+            ap.error(f"--pipeline-modes: unknown mode {mode!r} (expected shared, per-task, fused, async, fused-live or "
+                     "fused-live-lean)")
     if args.batches < 1:
         ap.error(f"--batches: {args.batches} (expected >= 1)")
     return args

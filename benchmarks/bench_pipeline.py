@@ -25,7 +25,8 @@ with FLYROLL_RAY=per-task so that its one cluster has the per-task shape and it 
 `per-task`); opt-in `async` is `fused` with `pipeline.off_policy_steps: 1` (the next rollout runs in
 a thread beside the update, so stage seconds overlap and orchestration can come out negative;
 compare its wall and samples/s with `fused`); opt-in `fused-live` is `fused` with `sync.method: live`
-(the trainer sends each policy to the generation actors, tasks/live_sync.py; compare with `fused`). A second table puts them side by side, per mode for iteration 1, the mean of 2..N and
+(the trainer sends each policy to the generation actors, tasks/live_sync.py; compare with `fused`);
+opt-in `fused-live-lean` is `fused-live` with `checkpoint.publish_every: 4` (compare with `fused-live`). A second table puts them side by side, per mode for iteration 1, the mean of 2..N and
 the mean of 1..N: wall, compute (the five stage bodies), orchestration (wall - compute) and, within
 orchestration, the Ray cluster start seconds on that iteration's clock (`timing/<stage>_ray_start_s`,
 logged in per-task mode; 0 in shared mode; a fused chunk's one start is counted once, on the chunk's
@@ -53,10 +54,13 @@ STAGES = ("rollout", "scoring", "reference", "training", "weight_sync")
 # `per-task`; `async` is `fused` with off_policy_steps 1 (and algorithm.tis_cap 2.0): the next
 # iteration's rollout runs beside the update (tasks/fused.py), so it is compared with `fused`.
 MODES = {"shared": ("shared", False, 0), "per-task": ("per-task", False, 0), "fused": ("per-task", True, 0),
-         "async": ("per-task", True, 1), "fused-live": ("per-task", True, 0)}
+         "async": ("per-task", True, 1), "fused-live": ("per-task", True, 0), "fused-live-lean": ("per-task", True, 0)}
 # `fused-live` is `fused` with sync.method live: the trainer sends each policy to the generators
-# (tasks/live_sync.py) instead of their fetching and loading the published checkpoint; compare with `fused`
-LIVE = {"fused-live"}
+# (tasks/live_sync.py) instead of their fetching and loading the published checkpoint; compare with `fused`.
+# `fused-live-lean` is `fused-live` with checkpoint.publish_every LEAN_EVERY (tasks/publish_plan.py):
+# most versions are neither written nor uploaded; compare with `fused-live`
+LIVE = {"fused-live", "fused-live-lean"}
+LEAN_EVERY = 4
 
 
 def cluster_starts(points: dict[str, dict[int, tuple[float, float]]], iterations: list[int]) -> dict[int, float]:
@@ -169,6 +173,7 @@ def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, ou
         "loop": {"iterations": args.pipeline, "eval_every": 1_000_000, "fuse": fuse},  # evaluate at the start and the end only
         "pipeline": {"off_policy_steps": MODES[mode][2]},
         "sync": {"method": "live" if mode in LIVE else "store"},
+        **({"checkpoint": {"publish_every": LEAN_EVERY}} if mode == "fused-live-lean" else {}),
     }
 
 

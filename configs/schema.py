@@ -301,6 +301,7 @@ class LoopConfig(_Section):
 
 class CheckpointConfig(_Section):
     optimizer_every: int = Field(1, ge=1, le=100_000, description="Which published policy versions hold trainer_state.pt (optimizer moments, LR schedule, objective state, LoRA adapters, the critic's optimizer: 2/3 of a float32 checkpoint, SmolLM2 1.08 of 1.62 GB). 1 = every version. N > 1 = only iterations divisible by N, the run's last (loop.iterations), the last of each fused task (loop.fuse) and every iteration whose training actor will not live on to the next (a Ray cluster per task: a Flyte cluster, or FLYROLL_RAY=per-task, unfused); in between the training actor keeps the state in memory and the version holds weights, tokenizer and critic only (manifest metadata trainer_state_deferred). Unfused on a Flyte cluster every version therefore holds it and N changes nothing. Training from such a version of the run without that actor (a resume) rebuilds the state by replaying the updates since the newest version that holds it (or the run's start) on their published rollout tables: up to N-1 extra updates, checked against the published weights (a difference keeps the published weights with the replayed state, and is printed). It does not change the run's results, so it is left out of the run's config hash.")
+    publish_every: int = Field(1, ge=1, le=100_000, description="Which policy versions are uploaded to the store and registered as MLflow model versions. 1 = every version. N > 1 = only iterations divisible by N, the run's last (loop.iterations), every iteration an evaluation follows (loop.eval_every), the last of each fused task (loop.fuse) and every iteration whose training actor will not live on to the next; in between the training actor keeps weights and optimizer state in memory and the generators already serve the weights by live sync, so the store publish leaves the critical path of those iterations (the rollout table is still published every iteration). Needs loop.fuse > 1 (fused iterations: each task's last version is published), sync.method: live (with store the generators load each version from the store), checkpoint.optimizer_every: 1 (every published version holds trainer_state.pt) and a reference stage that never loads the policy from the store: no critic (algorithm.advantage gae) and π_old from the update's own forward (algorithm.old_logprobs behaviour, or auto with ppo_epochs 1, no KL in the reward and a rollout batch no larger than training.mini_batch_size). A published version names its nearest published ancestor as parent and lists the skipped iterations with their rollout tables (manifest metadata unpublished_iterations). A run killed between publishes resumes from the newest published version and runs the skipped iterations again (the same weights at one torch thread). It does not change results, so it is left out of the config hash.")
 
 
 class PipelineConfig(_Section):
@@ -308,10 +309,36 @@ class PipelineConfig(_Section):
 
 
 class SyncConfig(_Section):
-    method: Literal["store", "live"] = Field("store", description="How the generation actors get each new policy version. store: the trainer writes a checkpoint, weight_sync publishes it and the generators fetch and load it. live: right after the training step the trainer actor sends the weights to the generation actors through a model update group (engines/weight_update.py: torch.distributed, gloo on CPU) and the next rollout starts as soon as every engine reports the new version; the checkpoint is still published (lineage, resume). live needs the trainer and the generators alive together: a fused task (loop.fuse > 1) or a local run on one shared Ray instance (FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage: FLYROLL_RAY=per-task, or unfused on a Flyte cluster) the store is the hand-off, because the training cluster is gone when the rollout starts, so live is refused there. Not with pipeline.off_policy_steps > 0 (the generators serve an older version).")
+    method: Literal["store", "live"] = Field("store", description="How the generation actors get each new policy version. store: the trainer writes a checkpoint, weight_sync publishes it and the generators fetch and load it. live: right after the training step the trainer actor sends the weights to the generation actors through a model update group (engines/weight_update.py: torch.distributed, gloo on CPU) and the next rollout starts as soon as every engine reports the new version; the checkpoint is still published (lineage, resume; in a fused task in a background thread overlapping the next iteration; with checkpoint.publish_every > 1 only every N-th version and where one is needed). live needs the trainer and the generators alive together: a fused task (loop.fuse > 1) or a local run on one shared Ray instance (FLYROLL_RAY=shared); in per-task mode (one Ray cluster per stage: FLYROLL_RAY=per-task, or unfused on a Flyte cluster) the store is the hand-off, because the training cluster is gone when the rollout starts, so live is refused there. Not with pipeline.off_policy_steps > 0 (the generators serve an older version).")
     bucket_mb: int = Field(256, ge=1, le=65536, description="live: the largest bucket of weights sent at once, in MiB of the generators' dtype; must hold the largest tensor (tensors are not split), else the sync stops with an error naming it.")
     timeout_s: float = Field(120.0, gt=0, le=3600, description="live: how long the trainer waits for a generation engine at any step of a sync; an engine that died is reported by name and version after at most this long.")
     transport: Literal["broadcast", "shm", "cuda_ipc"] = Field("broadcast", description="live: how each bucket reaches the generation actors (engines/weight_update.py). broadcast: over the update group (gloo), any node. shm: the trainer writes each bucket into one file in /dev/shm that every engine maps, the group carries only a signal per bucket; the training actor and every generation actor must sit on one Ray node (checked at each new group: a sync across nodes is refused naming the engines and nodes, never silently sent another way). cuda_ipc: the same with a CUDA buffer shared by IPC handle, for actor_train and actor_infer both on GPU on one node (refused otherwise, infra/resources.py check_placement; not run in this project's tests: no GPU in CI). Only with method: live.")
+
+
+def publish_every_check(cfg: "FlyrollConfig") -> None:
+    """checkpoint.publish_every > 1: refused where a skipped version would be read from the store."""
+    n, a = cfg.checkpoint.publish_every, cfg.algorithm
+    rows = cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
+    why = [text for text, on in (
+        (f"sync.method={cfg.sync.method!r}: the generators load each version from the store; set sync.method: live "
+         "(they then take the weights from the trainer)", cfg.sync.method != "live"),
+        (f"checkpoint.optimizer_every={cfg.checkpoint.optimizer_every}: with publish_every every published version holds "
+         "trainer_state.pt already; set checkpoint.optimizer_every: 1", cfg.checkpoint.optimizer_every > 1),
+        ("env set (the agentic workflow): publish_every is built for workflows/rlvr.py", cfg.env is not None),
+        ("loop.fuse=1: publish_every is built for fused iterations (loop.fuse > 1), where each task's last iteration is "
+         "published whatever the loop's length (a retrain runs its own number of iterations); set loop.fuse > 1",
+         cfg.loop.fuse <= 1),
+        ("algorithm.advantage=gae: the reference stage loads the critic of the version it starts from out of the store",
+         a.advantage == "gae"),
+        (f"π_old is recomputed by the reference stage from the version the update starts from, out of the store "
+         f"(algorithm.old_logprobs={a.old_logprobs!r}, ppo_epochs={a.ppo_epochs}, a rollout batch of {rows} rows "
+         f"against training.mini_batch_size={cfg.training.mini_batch_size}, use_kl_loss={a.use_kl_loss}); take it from "
+         "the update's own forward: old_logprobs auto with ppo_epochs 1, use_kl_loss true (or kl_coef 0) and "
+         "mini_batch_size >= the rollout batch, or old_logprobs behaviour",
+         a.old_logprobs != "behaviour" and not a.old_logprobs_in_update(rows, cfg.training.mini_batch_size))) if on]
+    if why:
+        raise ValueError(f"checkpoint.publish_every={n} skips the store upload of most versions, which only works "
+                         "where nothing reads them from the store: " + "; ".join(why))
 
 
 def live_sync_check(fuse: int, off_policy_steps: int) -> None:
@@ -337,7 +364,7 @@ class FlyrollConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Per-role resources and which roles share devices (infra/resources.py turns it into task Resources, Ray worker groups and actor options).")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="Iterations and evaluation cadence.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="How generation overlaps training (workflows/rlvr.py).")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="What each published policy version holds beside its weights.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Which policy versions are published and what each holds beside its weights.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="How new weights reach the generation actors (docs/weight-sync.md).")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
 
@@ -370,6 +397,8 @@ class FlyrollConfig(_Section):
                              "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
                              "rollout task and share no memory with the trainer; set offload_generation: none, or "
                              "loop.fuse > 1 (one cluster for the fused iterations)")
+        if self.checkpoint.publish_every > 1:
+            publish_every_check(self)
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (

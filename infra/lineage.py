@@ -117,6 +117,8 @@ def cli_main(argv: list[str]) -> int:
         tag = f"  (MLflow model version {mv['model_version']} of {mv['registered_model']}, run {mv['run_id'][:8]})" if mv else ""
         it = v["metadata"].get("iteration")
         print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{f', iteration {it}' if it is not None else ''}]{tag}")
+        for s in v["metadata"].get("unpublished_iterations") or []:  # checkpoint.publish_every (tasks/publish_plan.py)
+            print(f"      after iteration {s['iteration']} (not published; trained on {s['rollout_table']})")
     for d in rec["datasets"]:
         inputs = "".join(f", from {u} ({digest})" for u, digest in (d.get("inputs") or {}).items())
         print(f"dataset {d['key']}: {d.get('rows')} rows, domains {d.get('domains')}{inputs}")

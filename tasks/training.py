@@ -26,6 +26,7 @@ from tasks.checkpoints import scratch_checkpoint_dir
 from tasks.common import check_columns, config_of, stage
 from tasks.keys import policy_key
 from tasks.live_sync import check_live_sync, live_sync
+from tasks.publish_plan import publish_due
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
 from tasks.workers import TrainWorker
@@ -49,7 +50,8 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
     """Returns the new checkpoint directory (published by weight_sync). `actor_kept`: whether the
     training actors live on to train iteration+1 (tasks/fused.py passes it); None = they do when the
     run shares one local Ray instance (`shared_local_ray`). With checkpoint.optimizer_every > 1 it
-    decides, with the iteration, whether the checkpoint holds trainer_state.pt (tasks/replay.py).
+    decides, with the iteration, whether the checkpoint holds trainer_state.pt (tasks/replay.py); with
+    checkpoint.publish_every > 1 whether a checkpoint is written at all (tasks/publish_plan.py).
     With sync.method=live the trainer then sends the new weights to the generation actors
     (tasks/live_sync.py) before the task returns."""
     check_columns(batch, "rollout", "scoring", "reference", at="entering training")
@@ -64,14 +66,18 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
         if loaded[0].startswith("replayed"):
             print(f"flyroll: training iteration {iteration}: {policy.key} {loaded[0]}", flush=True)
         kept = shared_local_ray() if actor_kept is None else actor_kept
-        with_state = trainer_state_due(iteration, cfg.checkpoint.optimizer_every, cfg.loop.iterations, kept)
+        published = publish_due(iteration, cfg.checkpoint.publish_every, cfg.loop.iterations, cfg.loop.eval_every, kept)
+        # publish_every > 1: a published version holds its trainer state (a resume starts from it), a
+        # skipped one writes no checkpoint at all (this actor keeps both; tasks/publish_plan.py)
+        with_state = published if cfg.checkpoint.publish_every > 1 else \
+            trainer_state_due(iteration, cfg.checkpoint.optimizer_every, cfg.loop.iterations, kept)
         args = update_args(cfg, iteration)
         table = batch if len(workers) == 1 else ray.put(batch)  # every rank reads the one stored copy
         out = scratch_checkpoint_dir(iteration)  # removed by publish_weights
         here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
         (step_metrics, files), *_ = ray.get(
             [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
-                           args["train_actor"], here, with_state, live) for w in workers]
+                           args["train_actor"], here, with_state, live, published) for w in workers]
         )
         if cfg.placement.offload_generation != "none":  # colocated generators wake next: give them the step's memory
             ray.get([w.release_memory.remote() for w in workers])
@@ -80,7 +86,8 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
             metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),
                             "weight_sync/live_buckets": float(report["buckets"])})
         metrics.update(step_metrics)
-        metrics["training/trainer_state_published"] = float(with_state)
+        metrics["training/trainer_state_published"] = float(with_state and published)
+        metrics["training/checkpoint_written"] = float(published)
         metrics["training/workers"] = float(len(workers))
         for rel, data in files.items():  # rank 0 on another node: its files came back as bytes
             path = os.path.join(out, rel)

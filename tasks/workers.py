@@ -446,11 +446,12 @@ class TrainWorker:
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
-             trainer_state: bool = True, keep_weights: bool = False) -> tuple[dict, dict[str, bytes]]:
+             trainer_state: bool = True, keep_weights: bool = False, write: bool = True) -> tuple[dict, dict[str, bytes]]:
         """One update (`update`) on a scored table; returns (metrics, checkpoint files as bytes, the
         critic under critic/). Under a multi-process strategy every rank returns the same metrics and
         only rank 0 the files. `trainer_state`: False leaves trainer_state.pt out of the checkpoint
-        (checkpoint.optimizer_every; this actor keeps it in memory).
+        (checkpoint.optimizer_every; this actor keeps it in memory). `write`: False writes no checkpoint
+        at all (checkpoint.publish_every: a version not published; this actor keeps weights and state).
 
         `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, the
         checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
@@ -477,6 +478,8 @@ class TrainWorker:
             return metrics, {}
         # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then)
         self.sync_weights = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if keep_weights else None
+        if not write:
+            return metrics, {}
 
         def save(d: str) -> None:
             save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)

@@ -263,6 +263,7 @@ def test_pipeline_modes_are_checked():
     assert parse_args(["--modes", "fused"]).pipeline_modes == "fused"
     assert parse_args(["--modes", "fused,async"]).pipeline_modes == "fused,async"
     assert parse_args(["--modes", "fused,fused-live"]).pipeline_modes == "fused,fused-live"
+    assert parse_args(["--modes", "fused-live,fused-live-lean"]).pipeline_modes == "fused-live,fused-live-lean"
     with pytest.raises(SystemExit) as e:
         parse_args(["--modes", "shared,ray"])
     assert e.value.code == 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.support.policies import publish_two_versions
 from tests.support.workflow import REPO
-from tests.test_live_sync import _published
 
 
 def _pass(spec, cfg, run: str, offload: bool) -> list:
@@ -62,7 +62,7 @@ def test_sleeping_colocated_generators_sample_what_awake_ones_do(tmp_path, monke
     try:
         results = {}
         for run, offload in (("awake", "none"), ("asleep", "weights")):
-            _published(ArtifactStore(root), tiny_model_dir, tmp_path / run, run)
+            publish_two_versions(ArtifactStore(root), tiny_model_dir, tmp_path / run, run)
             cfg = parse_config({**base, "placement": {**colocated, "offload_generation": offload}})
             results[run] = _pass(RunSpec(cfg.to_json(), cfg.hash(), run, root, "", ""), cfg, run, offload == "weights")
     finally:

@@ -59,9 +59,9 @@ def test_ray_pool_gives_the_lockstep_episodes(ray_local):
 def test_ray_pool_carries_the_env_stop_strings_and_tools(ray_local):
     """tool_table through the Ray actors: its stop strings and tool specs reach the manager in the
     reset's EnvTurns (tests/test_tool_episodes.py has the in-process cases)."""
-    from tests.test_tool_episodes import CALL, QWEN25_TEMPLATE, SAMPLING, ScriptedToolEngine, _tokenizer
+    from tests.support.tool_episodes import CALL, QWEN25_TEMPLATE, SAMPLING, ScriptedToolEngine, char_tokenizer
 
-    tok = _tokenizer(QWEN25_TEMPLATE)
+    tok = char_tokenizer(QWEN25_TEMPLATE)
 
     def factory():
         return ScriptedToolEngine(tok)

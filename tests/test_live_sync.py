@@ -14,20 +14,8 @@ import pytest
 import ray
 import torch
 
+from tests.support.policies import publish_two_versions
 from tests.support.workflow import REPO
-
-
-def _published(store, tiny_model_dir: str, tmp_path, run: str) -> str:
-    """v0000 = the tiny model, v0001 = the same with every weight moved (what a training step gives)."""
-    from engines.modeling import load_policy, save_policy
-
-    store.publish(tiny_model_dir, f"runs/{run}/policy/v0000", kind="checkpoint", producer="test")
-    model, tok = load_policy(tiny_model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
-    store.publish(save_policy(model, tok, str(tmp_path / "v1")), f"runs/{run}/policy/v0001", kind="checkpoint", producer="test")
-    return str(tmp_path / "v1")
 
 
 @pytest.mark.slow
@@ -42,7 +30,7 @@ def test_live_sync_gives_every_engine_the_trainers_weights_and_names_a_dead_one(
     from tasks.types import PolicyRef, RunSpec
 
     root, run = str(tmp_path / "store"), "live"
-    v1_dir = _published(ArtifactStore(root), tiny_model_dir, tmp_path, run)
+    v1_dir = publish_two_versions(ArtifactStore(root), tiny_model_dir, tmp_path, run)
     cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 2},
                         "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 5}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
@@ -126,7 +114,7 @@ def test_a_generation_actor_killed_mid_sync_over_shm_then_a_clean_resume(tmp_pat
     root, run = str(tmp_path / "store"), "midsync"
     model, tok = build_tiny_policy(seed=0)       # 3.2 MB of float32 weights: 4 buckets of 1 MiB
     base = save_policy(model, tok, str(tmp_path / "v0"))
-    v1_dir = _published(ArtifactStore(root), base, tmp_path, run)
+    v1_dir = publish_two_versions(ArtifactStore(root), base, tmp_path, run)
     cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 2},
                         "sync": {"method": "live", "transport": "shm", "bucket_mb": 1, "timeout_s": 30}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")

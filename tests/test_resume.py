@@ -15,10 +15,7 @@ killed attempt is not logged twice -- and exactly one child run per iteration.
 
 from __future__ import annotations
 
-import glob
-import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -28,19 +25,6 @@ from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 pytestmark = pytest.mark.slow
 RAY_MODE = "per-task"
-
-
-def pausing_starts_with_digit(response: str, sample: dict) -> float:
-    """The e2e reward; the first call after a file matching the glob $FLYROLL_TEST_PAUSE_AFTER exists
-    creates $FLYROLL_TEST_PAUSED and sleeps (the test kills the run meanwhile)."""
-    after, marker = os.environ.get("FLYROLL_TEST_PAUSE_AFTER"), os.environ.get("FLYROLL_TEST_PAUSED")
-    if after and marker and glob.glob(after, recursive=True):
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-            time.sleep(45)
-        except FileExistsError:
-            pass
-    return float(response[:1].isdigit())
 
 
 def _parent_run(tracking_uri: str):
@@ -57,7 +41,7 @@ def test_sigkill_mid_iteration_then_rerun_resumes_without_gaps_or_duplicates(tmp
     from infra import tracking
     from infra.store import ArtifactStore
 
-    reward = "tests.test_resume:pausing_starts_with_digit"
+    reward = "tests.support.rewards:pausing_starts_with_digit"
     # with asynchronous generation (each rollout samples with the policy one version behind its
     # update): the rerun's iteration 3 must sample with v0001 again, from the store
     config = _config(tmp_path, loop={"iterations": 4, "eval_every": 2}, pipeline={"off_policy_steps": 1},

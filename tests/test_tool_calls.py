@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.support.tool_episodes import QWEN25_TEMPLATE
+
 from engines.sandbox import SandboxUnavailable, isolation
 from engines.tool_calls import (MAX_EXPONENT, Tool, ToolError, calculate, calculator_tool, call_tools, format_value,
                                 parse_tool_calls, python_tool, tool_response, tool_specs, tools_system_prompt)
@@ -127,37 +129,6 @@ def test_python_tool_runs_in_the_sandbox_and_returns_stdout_or_the_verdict():
 
 
 # ------------------------------------------------------------------ chat template
-# Qwen2.5-Instruct's chat template, its tool parts verbatim (system turn with <tools>, assistant
-# tool_calls as <tool_call> JSON, tool messages as <tool_response> blocks in a user turn).
-QWEN25_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
-    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
-    "function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
-    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
-    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
-    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
-    "(message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
-    "{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
-    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
-    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 @pytest.fixture
 def qwen_tokenizer():
     from engines.modeling import build_char_tokenizer

@@ -8,57 +8,14 @@ and asynchronous managers give identical episodes."""
 
 from __future__ import annotations
 
-import string
 
 import pytest
 
 from engines.env_manager import ChatFormat, run_episodes
-from engines.generation import Completion, SamplingParams
-from engines.modeling import build_char_tokenizer
 from tests.support.async_envs import fields, run_async
-from tests.test_tool_calls import QWEN25_TEMPLATE
-
-MALFORMED = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 2+}\n</tool_call>'
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "23.15*9-20.51*7"}}\n</tool_call>'
-ANSWER = "<answer>64.78</answer>"
-AFTER = "\nI will now wait for the result."   # what a model may write past its call: cut by the stop string
-PLAIN_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}"
-                  "{% if m['role'] == 'assistant' %}{{ eos_token }}\n{% else %}(end)\n{% endif %}{% endfor %}"
-                  "{% if add_generation_prompt %}<assistant>\n{% endif %}")
-# takes tools= and renders them its own way (names only), so where the description came from shows
-LISTING_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
-                    + PLAIN_TEMPLATE)
-SAMPLING = SamplingParams(max_new_tokens=200)
-
-
-class ScriptedToolEngine:
-    """Turn k of an episode (k = tool responses + refusals in its prompt so far): a malformed call, a
-    real calculator call, then the answer, each followed by text the stop strings must cut. Cuts at
-    the first stop string as HFGenerationEngine does (at the token that completes it); a function of
-    the prompt only, so deterministic under any batching."""
-
-    def __init__(self, tok):
-        self.tok, self.stops = tok, []
-
-    def generate(self, prompt_token_ids, params, abort=None):
-        self.stops.append(tuple(params.stop))
-        out = []
-        for i, p in enumerate(prompt_token_ids):
-            prompt = self.tok.decode(p)
-            k = prompt.count("<tool_response>") + prompt.count("invalid:")
-            ids = self.tok([MALFORMED, CALL, ANSWER][min(k, 2)] + AFTER, add_special_tokens=False)["input_ids"]
-            for end in range(1, len(ids) + 1):
-                if any(s in self.tok.decode(ids[:end]) for s in params.stop):
-                    ids = ids[:end]
-                    break
-            out.append(Completion(i, 0, ids, [-0.5] * len(ids), "stop", self.tok.decode(ids)))
-        return out
-
-
-def _tokenizer(template: str):
-    tok = build_char_tokenizer(string.printable)   # JSON, capitals: the char tokenizer's default set has neither
-    tok.chat_template = template
-    return tok
+from tests.support.tool_episodes import (
+    ANSWER, CALL, LISTING_TEMPLATE, MALFORMED, PLAIN_TEMPLATE, QWEN25_TEMPLATE, SAMPLING, ScriptedToolEngine, char_tokenizer,
+)
 
 
 def _both(tok, env_kwargs=None):
@@ -78,7 +35,7 @@ def _both(tok, env_kwargs=None):
 def test_tool_table_episode_refusal_then_real_call_then_answer_both_managers(template):
     from engines.envs import make_env
 
-    tok = _tokenizer(template)
+    tok = char_tokenizer(template)
     ref, out, engine = _both(tok)
     assert all(s == ("</tool_call>", "</answer>") for s in engine.stops)   # the env's stop strings, merged into sampling
     assert [fields(e) for e in out.episodes] == [fields(e) for e in ref]
@@ -103,16 +60,16 @@ def test_tool_table_episode_refusal_then_real_call_then_answer_both_managers(tem
 
 
 def test_tools_takes_tools_probe():
-    assert ChatFormat.of(_tokenizer(QWEN25_TEMPLATE)).takes_tools and ChatFormat.of(_tokenizer(LISTING_TEMPLATE)).takes_tools
-    assert not ChatFormat.of(_tokenizer(PLAIN_TEMPLATE)).takes_tools
+    assert ChatFormat.of(char_tokenizer(QWEN25_TEMPLATE)).takes_tools and ChatFormat.of(char_tokenizer(LISTING_TEMPLATE)).takes_tools
+    assert not ChatFormat.of(char_tokenizer(PLAIN_TEMPLATE)).takes_tools
 
 
 def test_tools_described_nowhere_is_refused():
-    tok = _tokenizer(PLAIN_TEMPLATE)
+    tok = char_tokenizer(PLAIN_TEMPLATE)
     with pytest.raises(RuntimeError, match="describe_tools=True"):   # raised at the reset, naming the seed
         run_episodes(ScriptedToolEngine(tok), tok, "tool_table", [0], group_size=1, max_turns=2, max_context_tokens=4000,
                      sampling=SAMPLING, env_kwargs={"describe_tools": False}, chat=True)
-    qwen = _tokenizer(QWEN25_TEMPLATE)   # the template describes them: fine, and the prompt has them once
+    qwen = char_tokenizer(QWEN25_TEMPLATE)   # the template describes them: fine, and the prompt has them once
     ep, = run_episodes(ScriptedToolEngine(qwen), qwen, "tool_table", [0], group_size=1, max_turns=2, max_context_tokens=4000,
                        sampling=SAMPLING, env_kwargs={"describe_tools": False}, chat=True)
     assert ep.prompt.count("# Tools") == 1 and ep.env_replies and "invalid: " in ep.env_replies[0]

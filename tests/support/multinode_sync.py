@@ -27,18 +27,6 @@ import ray
 import torch
 
 
-def _publish(store, model_dir: str, work: str, run: str) -> None:
-    """v0000 = the tiny model; v0001 = the same with every weight moved (what a training step gives)."""
-    from engines.modeling import load_policy, save_policy
-
-    store.publish(model_dir, f"runs/{run}/policy/v0000", kind="checkpoint", producer="test")
-    model, tok = load_policy(model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
-    store.publish(save_policy(model, tok, os.path.join(work, "v1")), f"runs/{run}/policy/v0001", kind="checkpoint", producer="test")
-
-
 def _start_cluster(temp_dir: str):
     from infra.ray_cluster import start_local_cluster
 
@@ -51,12 +39,13 @@ def main(model_dir: str, work: str) -> dict:
     from infra.ray_session import actor_pool
     from infra.resources import role_devices
     from infra.store import ArtifactStore
+    from tests.support.policies import publish_two_versions
     from tasks.live_sync import LiveSyncError, live_sync
     from tasks.types import RunSpec
     from tasks.workers import GenerationWorker, TrainWorker, generation_worker_kwargs
 
     root, run = os.path.join(work, "store"), "multinode"
-    _publish(ArtifactStore(root), model_dir, work, run)
+    publish_two_versions(ArtifactStore(root), model_dir, work, run)
     cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 1},
                         "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 30}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")

@@ -1,9 +1,12 @@
 """User reward functions that test configs name by path (`reward.functions`, `metadata.reward_fn`):
 `tests.support.rewards:parity` (tests/test_scheduler.py, tests/test_refill.py, tests/test_partial_rollout.py),
-`tests.support.rewards:graded` (tests/test_eval_routing.py, tests/test_eval_cli.py)."""
+`tests.support.rewards:graded` (tests/test_eval_routing.py, tests/test_eval_cli.py),
+`tests.support.rewards:pausing_starts_with_digit` (tests/test_resume.py, tests/test_publish_every.py)."""
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 
 
@@ -19,3 +22,16 @@ def parity(response: str, sample: dict) -> float:
 def graded(response: str, sample: dict) -> float:
     """A user reward with partial credit: 1.0 when the response starts with a digit, else 0.5."""
     return 1.0 if response[:1].isdigit() else 0.5
+
+
+def pausing_starts_with_digit(response: str, sample: dict) -> float:
+    """The e2e reward; the first call after a file matching the glob $FLYROLL_TEST_PAUSE_AFTER exists
+    creates $FLYROLL_TEST_PAUSED and sleeps (the test kills the run meanwhile)."""
+    after, marker = os.environ.get("FLYROLL_TEST_PAUSE_AFTER"), os.environ.get("FLYROLL_TEST_PAUSED")
+    if after and marker and glob.glob(after, recursive=True):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            time.sleep(45)
+        except FileExistsError:
+            pass
+    return float(response[:1].isdigit())
