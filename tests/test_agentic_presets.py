@@ -14,7 +14,7 @@ from tests.support.workflow import REPO
 MARGIN_SOKOBAN = 0.0625
 
 ENVS = ("frozenlake", "sokoban", "tool_math")
-PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2"]
+PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2", "webshop"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -102,3 +102,18 @@ def test_tool_table_preset_turns_end_at_the_env_stop_strings_not_at_a_newline():
     assert params.stop == ()
     assert EnvTurns.of(make_env("tool_table")).sampling(params).stop == ("</tool_call>", "</answer>")
     assert _params(load_config(REPO / "configs" / "frozenlake.yaml"), greedy=True).stop == ("\n",)
+
+
+@pytest.mark.nightly  # a pyflyte run with a 2,048-position tiny policy: ~280 s on the shared 2-core box
+@pytest.mark.timeout(1800)
+def test_webshop_preset_smoke_run(tmp_path):
+    """configs/webshop.yaml, one iteration with tiny numbers: bootstrap, episodes, training, evaluation.
+    Wiring only: no learning is claimed for this preset (docs/agentic.md)."""
+    c, run, _ = _run(tmp_path, "configs/webshop.yaml",
+                     model={"bootstrap": {"max_positions": 2048, "steps": 4, "batch_size": 4, "lr": 3.0e-3,
+                                          "hidden_size": 32, "num_layers": 2, "num_heads": 2}},
+                     env={"eval_episodes": 2, "bootstrap_episodes": 8, "max_turns": 6},
+                     rollout={"prompts_per_iteration": 2, "samples_per_prompt": 2}, training={"mini_batch_size": 4},
+                     loop={"iterations": 1, "eval_every": 1})
+    for key in ("eval/success_rate", "env/turns", "env/invalid_action_rate", "actor/pg_loss"):
+        assert _history(c, run, key), key
