@@ -39,7 +39,8 @@ def _params(cfg, greedy: bool, iteration: int = 0, temperature: float | None = N
     (default `rollout.temperature`) seeded by the iteration. An environment with its own `stop` strings
     (tool_table) gets no newline stop: its calls span lines; the managers add its strings."""
     r = cfg.rollout
-    line = () if getattr(ENVIRONMENTS[cfg.env.name], "stop", ()) else ("\n",)  # an env's own stop strings replace it
+    own_stop = cfg.env is not None and getattr(ENVIRONMENTS[cfg.env.name], "stop", ())
+    line = () if own_stop else ("\n",)  # an env's own stop strings replace it
     return rollout_sampling(cfg, None if greedy else cfg.run.seed * 100_003 + iteration, n=1, stop=tuple(r.stop) or line,
                             temperature=0.0 if greedy else (r.temperature if temperature is None else temperature))
 

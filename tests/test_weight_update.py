@@ -242,7 +242,9 @@ def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitw
     trainer's own gathered state dict, and the unsharded model with the same change."""
     port, dist_port, world = free_port(), free_port(), 2
     q, procs = start_engines(port, world)
-    ctx = mp.get_context("fork")
+    # spawned, not forked: a forked child of a pytest worker that ran Ray tests before (gRPC and
+    # Ray threads holding locks at the fork) hung in its process-group start-up in CI
+    ctx = mp.get_context("spawn")
     tq, leave = ctx.Queue(), ctx.Event()
     trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave), daemon=True) for r in (0, 1)]
     for p in trainers:
