@@ -26,6 +26,7 @@ from typing import Callable
 
 from tasks.keys import is_policy_of, parse_policy_key, rollout_table_key
 from tasks.recipe import evaluates
+from tasks.replay import trainer_state_due
 from tasks.types import PolicyRef, RunSpec
 
 UNPUBLISHED = "unpublished_iterations"  # manifest metadata of a published version: the skipped iterations since its parent
@@ -36,8 +37,8 @@ def publish_due(iteration: int, every: int, last: int, eval_every: int, actor_ke
     it, it is the run's `last`, an evaluation follows it (loop.eval_every: tasks/recipe.py `evaluates`),
     or the training actor that holds it in memory does not live on to the next iteration (`actor_kept`
     False: the last iteration of a fused task, or a Ray cluster per task)."""
-    return (every <= 1 or iteration % every == 0 or iteration >= last or not actor_kept
-            or evaluates(iteration, last, eval_every))
+    # the versions that hold trainer_state.pt under optimizer_every = every, plus the evaluated ones
+    return trainer_state_due(iteration, every, last, actor_kept) or evaluates(iteration, last, eval_every)
 
 
 def unpublished_since(store, spec: RunSpec, parent: str) -> tuple[str, list[dict]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.compare import assert_bitwise_equal
 from tests.support.workflow import _config, _pyflyte_run
 
 STATE = "trainer_state.pt"
@@ -64,22 +65,6 @@ def _published(store, key: str, tmp: Path) -> tuple[dict, dict]:
 
     d = store.fetch(key, str(tmp / key.replace("/", "_")))
     return load_file(f"{d}/model.safetensors"), torch.load(f"{d}/{STATE}", weights_only=True)
-
-
-def _assert_equal(a, b, where: str = "") -> None:
-    """Bitwise equality of nested dicts/lists of tensors and scalars."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +141,8 @@ def test_replay_rebuilds_a_deferred_version_exactly(lean_run, tmp_path, monkeypa
     how = worker.load(spec, key, tcfg, acfg)
     assert how == f"replayed 1 update(s) from {base}", how  # and the weights equal the published ones
     got_w, got_state = next_version(worker)
-    _assert_equal(got_w, want_w, "weights")
-    _assert_equal(got_state, want_state, STATE)
+    assert_bitwise_equal(got_w, want_w, "weights")
+    assert_bitwise_equal(got_state, want_state, STATE)
 
     afresh = TrainWorker.__ray_actor_class__(threads=1)
     afresh._load(spec, key, tcfg, acfg)  # the version's weights, no trainer state: what a load did before
@@ -205,8 +190,8 @@ def test_replay_that_misses_the_published_weights_keeps_them_and_warns(lean_run,
     kept, how = loaded(copy, "b")
     assert how.endswith("difference 0.001: published weights kept"), how
     assert "max abs difference 0.001" in capsys.readouterr().out
-    _assert_equal(dict(kept.engine.model.state_dict())[name], weights[name], name)
-    _assert_equal(kept.trainer_state(), exact.trainer_state(), STATE)
+    assert_bitwise_equal(dict(kept.engine.model.state_dict())[name], weights[name], name)
+    assert_bitwise_equal(kept.trainer_state(), exact.trainer_state(), STATE)
 
 
 @pytest.mark.slow

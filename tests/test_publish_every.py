@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.compare import assert_bitwise_equal
 from tests.support.processes import run_until_marker_then_kill
 from tests.support.workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
 
@@ -127,21 +128,6 @@ def _final(store, key: str, tmp: Path) -> dict:
     return {"weights": load_file(f"{d}/model.safetensors"), "state": torch.load(f"{d}/{STATE}", weights_only=True)}
 
 
-def _assert_equal(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
 @pytest.fixture(scope="module")
 def unkilled(tmp_path_factory):
     """The lean config run once through pyflyte, never killed: the final weights to match."""
@@ -168,7 +154,7 @@ def _kill_and_resume(tmp: Path, pause_after: str, unkilled) -> tuple[list[str], 
     out = rerun.stdout + rerun.stderr
     assert rerun.returncode == 0, out[-6000:]
     store, keys = _policies(tmp)
-    _assert_equal(_final(store, keys[-1], tmp), unkilled[2], "final v0004")
+    assert_bitwise_equal(_final(store, keys[-1], tmp), unkilled[2], "final v0004")
     assert [k.rsplit("/", 1)[-1] for k in keys] == [k.rsplit("/", 1)[-1] for k in unkilled[1]]
     return at_kill, keys, out
 
