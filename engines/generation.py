@@ -182,15 +182,6 @@ def policy_only_generation_config(model):
         model.generation_config = own
 
 
-def _release_allocator_cache(model) -> None:
-    """Hand the allocator's freed blocks back: CUDA's cache on a GPU, glibc's heap on the host."""
-    from engines.host_memory import release_freed_memory
-
-    if any(p.device.type == "cuda" for p in model.parameters()) and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    release_freed_memory()
-
-
 CACHE_BUCKET = 128  # compiled decode: static-cache lengths rounded up to a multiple of this
 PACK_MIN_NEW_TOKENS = 8  # packing SmolLM2's linears costs ~0.2 s, what ~7 decode steps save
 
@@ -287,7 +278,9 @@ class HFGenerationEngine:
             self.asleep.add("weights")
             self.version, self.unfilled = None, False
         self.asleep.add("kv_cache")
-        _release_allocator_cache(self.model)
+        from engines.host_memory import release_allocator_caches
+
+        release_allocator_caches()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what `sleep` freed, in stages: `["weights"]` allocates every parameter again

@@ -436,13 +436,9 @@ class TrainWorker:
         engines/host_memory.py; CUDA's caching allocator on a GPU): asked when the generation engines
         colocated with this trainer sleep between rollouts (placement.offload_generation), so the
         rollout beside it finds the step's transient memory free. The next step pays the page faults."""
-        import torch
+        from engines.host_memory import release_allocator_caches
 
-        from engines.host_memory import release_freed_memory
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        release_freed_memory()
+        release_allocator_caches()
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
