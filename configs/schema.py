@@ -17,6 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from configs.hand_off import check_hand_off
 from engines.algorithms.config import AlgorithmConfig
 from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
 
@@ -315,44 +316,6 @@ class SyncConfig(_Section):
     transport: Literal["broadcast", "shm", "cuda_ipc"] = Field("broadcast", description="live: how each bucket reaches the generation actors (engines/weight_update.py). broadcast: over the update group (gloo), any node. shm: the trainer writes each bucket into one file in /dev/shm that every engine maps, the group carries only a signal per bucket; the training actor and every generation actor must sit on one Ray node (checked at each new group: a sync across nodes is refused naming the engines and nodes, never silently sent another way). cuda_ipc: the same with a CUDA buffer shared by IPC handle, for actor_train and actor_infer both on GPU on one node (refused otherwise, infra/resources.py check_placement; not run in this project's tests: no GPU in CI). Only with method: live.")
 
 
-def publish_every_check(cfg: "FlyrollConfig") -> None:
-    """checkpoint.publish_every > 1: refused where a skipped version would be read from the store."""
-    n, a = cfg.checkpoint.publish_every, cfg.algorithm
-    rows = cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
-    why = [text for text, on in (
-        (f"sync.method={cfg.sync.method!r}: the generators load each version from the store; set sync.method: live "
-         "(they then take the weights from the trainer)", cfg.sync.method != "live"),
-        (f"checkpoint.optimizer_every={cfg.checkpoint.optimizer_every}: with publish_every every published version holds "
-         "trainer_state.pt already; set checkpoint.optimizer_every: 1", cfg.checkpoint.optimizer_every > 1),
-        ("env set (the agentic workflow): publish_every is built for workflows/rlvr.py", cfg.env is not None),
-        ("loop.fuse=1: publish_every is built for fused iterations (loop.fuse > 1), where each task's last iteration is "
-         "published whatever the loop's length (a retrain runs its own number of iterations); set loop.fuse > 1",
-         cfg.loop.fuse <= 1),
-        ("algorithm.advantage=gae: the reference stage loads the critic of the version it starts from out of the store",
-         a.advantage == "gae"),
-        (f"π_old is recomputed by the reference stage from the version the update starts from, out of the store "
-         f"(algorithm.old_logprobs={a.old_logprobs!r}, ppo_epochs={a.ppo_epochs}, a rollout batch of {rows} rows "
-         f"against training.mini_batch_size={cfg.training.mini_batch_size}, use_kl_loss={a.use_kl_loss}); take it from "
-         "the update's own forward: old_logprobs auto with ppo_epochs 1, use_kl_loss true (or kl_coef 0) and "
-         "mini_batch_size >= the rollout batch, or old_logprobs behaviour",
-         a.old_logprobs != "behaviour" and not a.old_logprobs_in_update(rows, cfg.training.mini_batch_size))) if on]
-    if why:
-        raise ValueError(f"checkpoint.publish_every={n} skips the store upload of most versions, which only works "
-                         "where nothing reads them from the store: " + "; ".join(why))
-
-
-def live_sync_check(fuse: int, off_policy_steps: int) -> None:
-    """sync.method=live: refused where trainer and generators are not alive together (per-task mode)."""
-    if fuse == 1 and os.environ.get("FLYROLL_RAY", "shared") == "per-task":
-        raise ValueError("sync.method=live with FLYROLL_RAY=per-task and loop.fuse=1: in per-task mode (one Ray cluster "
-                         "per stage) the store is the hand-off, because the training cluster is gone when the rollout "
-                         "starts; set sync.method: store, or loop.fuse > 1 (one cluster for the fused iterations)")
-    if off_policy_steps > 0:
-        raise ValueError(f"sync.method=live with pipeline.off_policy_steps={off_policy_steps}: the generators serve a "
-                         "policy older than the one just trained (each rollout loads its own version from the store); "
-                         "set sync.method: store, or pipeline.off_policy_steps: 0")
-
-
 class FlyrollConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and tracking.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy and reference models.")
@@ -377,28 +340,7 @@ class FlyrollConfig(_Section):
     def _check(self) -> "FlyrollConfig":
         from engines.synthetic import DOMAINS
 
-        if self.pipeline.off_policy_steps > 0:
-            if self.env is not None:
-                raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps}: asynchronous generation "
-                                 "is built for workflows/rlvr.py; the agentic workflow (env set) samples on-policy: set 0")
-            if self.algorithm.tis_cap is None:
-                raise ValueError(f"pipeline.off_policy_steps={self.pipeline.off_policy_steps} samples with a policy "
-                                 f"{self.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
-                                 "the update corrects it with truncated importance sampling")
-        if self.sync.method == "live":
-            live_sync_check(self.loop.fuse, self.pipeline.off_policy_steps)
-        elif self.sync.transport != "broadcast":
-            raise ValueError(f"sync.transport={self.sync.transport} moves the weights of a live sync; with "
-                             f"sync.method={self.sync.method} the generators load each version from the store, so it "
-                             "would do nothing: set sync.method: live, or leave sync.transport at broadcast")
-        if (self.placement.offload_generation != "none" and self.loop.fuse == 1
-                and os.environ.get("FLYROLL_RAY", "shared") == "per-task"):
-            raise ValueError(f"placement.offload_generation={self.placement.offload_generation!r} with FLYROLL_RAY=per-task "
-                             "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
-                             "rollout task and share no memory with the trainer; set offload_generation: none, or "
-                             "loop.fuse > 1 (one cluster for the fused iterations)")
-        if self.checkpoint.publish_every > 1:
-            publish_every_check(self)
+        check_hand_off(self)
         split = self.rollout.partial_rollout_max_split
         if split > 1:
             refused = [name for name, on in (

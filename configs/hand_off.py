@@ -1,0 +1,71 @@
+"""The config's checks of how a new policy reaches the generators (FlyrollConfig's validator calls
+`check_hand_off`): asynchronous generation, `sync` (live weight sync and its transport),
+`placement.offload_generation` and `checkpoint.publish_every`. Each refusal names the field and why."""
+
+from __future__ import annotations
+
+import os
+
+
+def check_hand_off(cfg) -> None:
+    """Refuse (ValueError) a combination of pipeline, sync, offload and publish settings that cannot work."""
+    if cfg.pipeline.off_policy_steps > 0:
+        if cfg.env is not None:
+            raise ValueError(f"pipeline.off_policy_steps={cfg.pipeline.off_policy_steps}: asynchronous generation "
+                             "is built for workflows/rlvr.py; the agentic workflow (env set) samples on-policy: set 0")
+        if cfg.algorithm.tis_cap is None:
+            raise ValueError(f"pipeline.off_policy_steps={cfg.pipeline.off_policy_steps} samples with a policy "
+                             f"{cfg.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "
+                             "the update corrects it with truncated importance sampling")
+    if cfg.sync.method == "live":
+        live_sync_check(cfg.loop.fuse, cfg.pipeline.off_policy_steps)
+    elif cfg.sync.transport != "broadcast":
+        raise ValueError(f"sync.transport={cfg.sync.transport} moves the weights of a live sync; with "
+                         f"sync.method={cfg.sync.method} the generators load each version from the store, so it "
+                         "would do nothing: set sync.method: live, or leave sync.transport at broadcast")
+    if (cfg.placement.offload_generation != "none" and cfg.loop.fuse == 1
+            and os.environ.get("FLYROLL_RAY", "shared") == "per-task"):
+        raise ValueError(f"placement.offload_generation={cfg.placement.offload_generation!r} with FLYROLL_RAY=per-task "
+                         "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
+                         "rollout task and share no memory with the trainer; set offload_generation: none, or "
+                         "loop.fuse > 1 (one cluster for the fused iterations)")
+    if cfg.checkpoint.publish_every > 1:
+        publish_every_check(cfg)
+
+
+def publish_every_check(cfg) -> None:
+    """checkpoint.publish_every > 1: refused where a skipped version would be read from the store."""
+    n, a = cfg.checkpoint.publish_every, cfg.algorithm
+    rows = cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
+    why = [text for text, on in (
+        (f"sync.method={cfg.sync.method!r}: the generators load each version from the store; set sync.method: live "
+         "(they then take the weights from the trainer)", cfg.sync.method != "live"),
+        (f"checkpoint.optimizer_every={cfg.checkpoint.optimizer_every}: with publish_every every published version holds "
+         "trainer_state.pt already; set checkpoint.optimizer_every: 1", cfg.checkpoint.optimizer_every > 1),
+        ("env set (the agentic workflow): publish_every is built for workflows/rlvr.py", cfg.env is not None),
+        ("loop.fuse=1: publish_every is built for fused iterations (loop.fuse > 1), where each task's last iteration is "
+         "published whatever the loop's length (a retrain runs its own number of iterations); set loop.fuse > 1",
+         cfg.loop.fuse <= 1),
+        ("algorithm.advantage=gae: the reference stage loads the critic of the version it starts from out of the store",
+         a.advantage == "gae"),
+        (f"π_old is recomputed by the reference stage from the version the update starts from, out of the store "
+         f"(algorithm.old_logprobs={a.old_logprobs!r}, ppo_epochs={a.ppo_epochs}, a rollout batch of {rows} rows "
+         f"against training.mini_batch_size={cfg.training.mini_batch_size}, use_kl_loss={a.use_kl_loss}); take it from "
+         "the update's own forward: old_logprobs auto with ppo_epochs 1, use_kl_loss true (or kl_coef 0) and "
+         "mini_batch_size >= the rollout batch, or old_logprobs behaviour",
+         a.old_logprobs != "behaviour" and not a.old_logprobs_in_update(rows, cfg.training.mini_batch_size))) if on]
+    if why:
+        raise ValueError(f"checkpoint.publish_every={n} skips the store upload of most versions, which only works "
+                         "where nothing reads them from the store: " + "; ".join(why))
+
+
+def live_sync_check(fuse: int, off_policy_steps: int) -> None:
+    """sync.method=live: refused where trainer and generators are not alive together (per-task mode)."""
+    if fuse == 1 and os.environ.get("FLYROLL_RAY", "shared") == "per-task":
+        raise ValueError("sync.method=live with FLYROLL_RAY=per-task and loop.fuse=1: in per-task mode (one Ray cluster "
+                         "per stage) the store is the hand-off, because the training cluster is gone when the rollout "
+                         "starts; set sync.method: store, or loop.fuse > 1 (one cluster for the fused iterations)")
+    if off_policy_steps > 0:
+        raise ValueError(f"sync.method=live with pipeline.off_policy_steps={off_policy_steps}: the generators serve a "
+                         "policy older than the one just trained (each rollout loads its own version from the store); "
+                         "set sync.method: store, or pipeline.off_policy_steps: 0")
