@@ -177,6 +177,7 @@ def _parent_run(tmp):
     return c, run
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 def test_critic_path_end_to_end_through_pyflyte(tmp_path):
     """PPO with GAE on the e2e config: the critic is published with each policy version, its
     values reach the training table and `critic/vf_loss` is logged. The same run turns on dynamic

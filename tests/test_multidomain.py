@@ -28,6 +28,7 @@ def _run(tmp_path, cfg: dict, timeout: int):
     return proc, c, run
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 def test_mixed_sources_tiny_model(tmp_path):
     good = [{"prompt": f"{i}+1=", "domain": "arithmetic", "answer": str(i + 1)} for i in range(8)]
     lines = [json.dumps(r) for r in good[:4]] + ["not json", json.dumps({"prompt": "", "domain": "x", "answer": "1"}),

@@ -87,6 +87,7 @@ def _versions(tmp: Path):
     return store, keys, [store.manifest(k) for k in keys]
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 def test_lean_run_publishes_trainer_state_every_n_and_at_the_end(lean_run):
     tmp, _ = lean_run
     store, keys, manifests = _versions(tmp)
@@ -102,6 +103,7 @@ def test_lean_run_publishes_trainer_state_every_n_and_at_the_end(lean_run):
           f"{sum(size) + 2 * state} in all, this run {sum(size)}")
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 @pytest.mark.parametrize("deferred", [3, 1])
 def test_replay_rebuilds_a_deferred_version_exactly(lean_run, tmp_path, monkeypatch, deferred):
     """A fresh TrainWorker (as after a resume) loads v0003 (v0001), which has no trainer state: it
@@ -150,6 +152,7 @@ def test_replay_rebuilds_a_deferred_version_exactly(lean_run, tmp_path, monkeypa
     assert any(not torch.equal(w[k], want_w[k]) for k in want_w)
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 def test_replay_that_misses_the_published_weights_keeps_them_and_warns(lean_run, tmp_path, monkeypatch, capsys):
     """A copy of the run's store whose v0003 has other weights (as another thread count's rounding
     would give): the replay differs by 1e-3, so the worker trains on from the published weights with

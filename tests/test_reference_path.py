@@ -47,6 +47,7 @@ def _logprobs(model_dir: str, df) -> list[list[float]]:
     return [lp[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
 
+@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
 def test_reference_path_is_the_kl_reference(tmp_path, monkeypatch, tiny_model_dir, reference_dir):
     import numpy as np
 
