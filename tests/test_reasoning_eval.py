@@ -19,10 +19,10 @@ EASY_SUM = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
 
 
 def _splits(**src):
-    from tasks.prepare import _source_splits
+    from tasks.splits import source_splits
 
     full = SourceConfig(kind="reasoning_gym", **src).model_dump()
-    return _source_splits(full, {"train_size": 40, "eval_size": 12, "domains": ()}, seed=3)
+    return source_splits(full, {"train_size": 40, "eval_size": 12, "domains": ()}, seed=3)
 
 
 def test_fewshot_prompts_share_their_examples_and_never_ask_them():
