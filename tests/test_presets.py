@@ -59,6 +59,10 @@ LEARNING_RUNS = tuple(pytest.param(p, marks=pytest.mark.nightly) if p in NIGHTLY
                       for p in PRESETS if p != "grpo")
 
 
+# nightly since 2026-12-04 (~100 s): CI's slow tier runs the per-task path in tests/test_workflow.py (the
+# same run as the shared instance), tests/test_resume.py and tests/test_agentic_workflow.py (with dynamic
+# sampling), and DAPO's refills in the rollout task through Ray in tests/test_refill.py
+@pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # it may bootstrap the shared base (see below)
 def test_dapo_preset_runs_with_a_ray_cluster_per_task(shared_dir):
