@@ -1,7 +1,8 @@
 """`checkpoint.publish_every` (tasks/publish_plan.py): which versions are published, the config
-refusals, the lineage of skipped versions, and (slow) a fused live-sync run through `pyflyte run`
-SIGKILLed between publishes that resumes to the same final weights, bit for bit, as a run never killed
-(one torch thread)."""
+refusals, the lineage of skipped versions, and (nightly) a fused live-sync run through `pyflyte run`
+SIGKILLed between publishes, before any publish, and in the middle of a publish (files uploaded,
+manifest not written) that resumes to the same final weights, bit for bit, as a run never killed (one
+torch thread; the three share one unkilled run)."""
 
 from __future__ import annotations
 
