@@ -461,9 +461,8 @@ class TrainWorker:
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.lora import plain_model
         from engines.modeling import save_policy
-        from tasks.common import TRAINER_STATE
-
         from engines.weight_update import is_shard
+        from tasks.common import TRAINER_STATE
 
         metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
         self.key = next_key  # what weight_sync will publish these weights as
