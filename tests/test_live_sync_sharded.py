@@ -4,7 +4,7 @@ the sync (tasks/live_sync.py -> `TrainWorker.send_weights`): rank 0 sends, gathe
 a time as each bucket fills, while rank 1 takes part in those gathers (`gather_only`). The engine-layer
 test of the same is tests/test_weight_update.py (forked processes, no Ray, default tier).
 
-Nightly tier: 84 s here at load ~3 and 128 s at a higher load on the shared 2-core box, almost all of
+Nightly tier: 84 s here at load ~3, 128-169 s at load 8-15 on the shared 2-core box, almost all of
 it Ray's start and the three actors' start-up and first load (the two syncs take ~0.1-0.4 s), above
 the slow tier's ~60 s budget."""
 
