@@ -73,6 +73,7 @@ class SyncReport:
     tensors: int
     bytes: int                      # payload bytes sent (wire dtype)
     seconds: float
+    gathered_peak_bytes: int = 0    # the largest full tensor a gather materialised (0: nothing was sharded)
 
 
 def align(n: int) -> int:
@@ -99,10 +100,16 @@ def gathered(t: torch.Tensor):
         yield t.detach()
 
 
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether `t` is one rank's shard of a parameter (FSDP2 DTensor, ZeRO-3) that `gathered` gathers."""
+    return hasattr(t, "full_tensor") or hasattr(t, "ds_id")
+
+
 def gather_only(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Training ranks > 0 of a sharded trainer: take part in rank 0's per-parameter gathers of a sync."""
+    """Training ranks > 0 of a sharded trainer: take part in rank 0's per-parameter gathers of a sync
+    (every parameter, in order; rank 0's `send` completes the same gathers even when the sync fails)."""
     for _, t in named_params:
-        if hasattr(t, "full_tensor") or hasattr(t, "ds_id"):
+        if is_shard(t):
             with gathered(t):
                 pass
 
@@ -236,14 +243,27 @@ class ModelUpdateGroup:
     # ---------------------------------------------------------------- sender (rank 0)
     def send(self, named_params: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str = "float32",
              bucket_bytes: int = 256 << 20) -> SyncReport:
-        """Send one policy version to every engine; returns when each has verified it (or raises)."""
-        self._check_usable()
+        """Send one policy version to every engine; returns when each has verified it (or raises).
+        Sharded parameters are gathered one at a time as their bucket fills; the other training ranks
+        run `gather_only(named_params)` meanwhile, and a failed send still makes every gather they wait for."""
         if self.rank != 0:
             raise RuntimeError(f"send on rank {self.rank}: rank 0 sends, ranks 1..N receive")
+        params = list(named_params)                                   # references only, nothing gathered yet
+        self._gathers = 0                                             # params gathered so far, in `params` order
+        try:
+            return self._send(params, version, dtype, bucket_bytes)
+        except BaseException:
+            # the other training ranks run `gather_only` over every parameter: make the gathers they still
+            # wait for, so a failed or refused sync leaves them free instead of stuck in a collective
+            with contextlib.suppress(Exception):
+                gather_only(params[self._gathers:])
+            raise
+
+    def _send(self, params: list, version: int, dtype: str, bucket_bytes: int) -> SyncReport:
+        self._check_usable()
         if dtype not in SYNC_DTYPES:
             raise ValueError(f"weight sync dtype {dtype!r}: expected one of {list(SYNC_DTYPES)}")
         wire, start = SYNC_DTYPES[dtype], time.perf_counter()
-        params = list(named_params)                                   # references only, nothing gathered yet
         buckets = plan_buckets([(n, full_shape(t)) for n, t in params], wire, bucket_bytes)
         self.seq += 1
         s = f"s{self.seq}"
@@ -263,7 +283,7 @@ class ModelUpdateGroup:
         if refusals:
             raise ValueError(f"weight sync of policy v{version} refused before any byte moved (every engine keeps its "
                              "version): " + "; ".join(refusals))
-        by_name, total, sums, sent = dict(params), 0, 0, 0
+        by_name, total, sums, sent, peak = dict(params), 0, 0, 0, 0
         try:
             for i, bucket in enumerate(buckets):
                 n = bucket_nbytes(bucket, wire)
@@ -271,6 +291,9 @@ class ModelUpdateGroup:
                 # (alignment gaps keep whatever bytes they held: both sides checksum the same bytes)
                 for name, slot in unpack(view, bucket, wire):
                     with gathered(by_name[name]) as full:                 # one parameter gathered at a time
+                        self._gathers += 1
+                        if is_shard(by_name[name]):
+                            peak = max(peak, full.numel() * full.element_size())
                         slot.copy_(full)                                  # cast to the wire dtype
                 sums += checksum(view)
                 total += sum(_numel(b[1]) for b in bucket) * wire.itemsize
@@ -299,7 +322,7 @@ class ModelUpdateGroup:
         if self._shared and self._shared.startswith("/dev/shm"):
             os.unlink(self._shared)                                       # every engine has mapped it
             self._shared = "unlinked:" + self._shared
-        return SyncReport(version, self.transport, dtype, len(buckets), len(params), total, time.perf_counter() - start)
+        return SyncReport(version, self.transport, dtype, len(buckets), len(params), total, time.perf_counter() - start, peak)
 
     def _wait_for(self, key: str, version: int, what: str) -> str:
         try:

@@ -39,21 +39,27 @@ def check_live_sync(cfg, fused: bool) -> None:
     check_sync_transport(cfg)   # cuda_ipc: trainer and generators on cuda
 
 
-def live_sync(spec: RunSpec, cfg, trainer, version: int, key: str) -> dict:
-    """Send `trainer`'s (rank 0's) weights of its last step to every generation actor as `version`
-    (published as `key`); returns the sync's report, with each engine's reported version. Raises
-    LiveSyncError naming every engine that failed or reports another version."""
+def live_sync(spec: RunSpec, cfg, trainers: list, version: int, key: str) -> dict:
+    """Send the training actors' weights of their last step (`trainers`: every training rank, rank 0
+    first) to every generation actor as `version` (published as `key`); returns rank 0's report of the
+    sync, with each engine's reported version. Every rank enters the sync: a sharded trainer's are
+    gathered one parameter at a time as rank 0 fills each bucket (`TrainWorker.send_weights`). Raises
+    LiveSyncError naming every engine (or training rank) that failed or reports another version."""
     gens = generation_actors(spec)
     names = [f"flyroll/{spec.run_id}/generation/{i}" for i in range(len(gens))]
-    _ensure_group(trainer, gens, names, cfg.sync.transport, cfg.sync.timeout_s, version)
+    _ensure_group(trainers[0], gens, names, cfg.sync.transport, cfg.sync.timeout_s, version)
     dtype = role_devices(cfg, "actor_infer")["actor_infer"][1]
-    sent = trainer.send_weights.remote(version, dtype, cfg.sync.bucket_mb << 20)
+    sent = [t.send_weights.remote(version, dtype, cfg.sync.bucket_mb << 20) for t in trainers]
     got = [g.receive_weights.remote(key) for g in gens]
     problems, report = [], None
-    try:
-        report = ray.get(sent)
-    except Exception as e:  # noqa: BLE001 - reported with the engines' own errors below
-        problems.append(f"trainer: {_short(e)}")
+    for rank, ref in enumerate(sent):  # rank 0 reports the sync; ranks > 0 (their gathers) return None
+        try:
+            answer = ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - reported with the engines' own errors below
+            problems.append(f"trainer rank {rank}: {_short(e)}")
+            continue
+        if rank == 0:
+            report = answer
     for name, ref in zip(names, got):
         try:
             served = ray.get(ref)

@@ -82,7 +82,7 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
         if cfg.placement.offload_generation != "none":  # colocated generators wake next: give them the step's memory
             ray.get([w.release_memory.remote() for w in workers])
         if live:  # the generators take the new weights now; weight_sync still publishes the checkpoint
-            report = live_sync(spec, cfg, workers[0], iteration, policy_key(spec, iteration))
+            report = live_sync(spec, cfg, workers, iteration, policy_key(spec, iteration))
             metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),
                             "weight_sync/live_buckets": float(report["buckets"])})
         metrics.update(step_metrics)

@@ -345,6 +345,7 @@ class TrainWorker:
         self.key, self.model, self.tokenizer, self.engine = None, None, None, None
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None
+        self.sync_kept, self.sync_weights = False, None  # what the last step kept for `send_weights`
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, port) for the process group's store, on rank 0's node (the one it already has)."""
@@ -460,20 +461,24 @@ class TrainWorker:
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.lora import plain_model
         from engines.modeling import save_policy
+        from engines.weight_update import is_shard
         from tasks.common import TRAINER_STATE
 
         metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
         self.key = next_key  # what weight_sync will publish these weights as
+        # a sharded trainer's live sync of a version it does not write gathers per bucket in `send_weights`:
+        # no rank gathers the whole model here (decided alike on every rank: same arguments, same strategy)
+        self.sync_kept = keep_weights and (write or not any(is_shard(p) for p in self.engine.model.parameters()))
         # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
         state = self.trainer_state() if trainer_state else None
-        weights = self.engine.checkpoint_state_dict()  # LoRA: merged into plain weights
+        weights = self.engine.checkpoint_state_dict() if write or self.sync_kept else None  # LoRA: merged into plain weights
         critic_weights = None
-        if self.critic_engine is not None:
+        if self.critic_engine is not None and write:
             critic_weights = self.critic_engine.strategy.full_state_dict()
         if self.rank != 0:
             return metrics, {}
         # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then)
-        self.sync_weights = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if keep_weights else None
+        self.sync_weights = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if self.sync_kept else None
         if not write:
             return metrics, {}
 
@@ -525,25 +530,36 @@ class TrainWorker:
         return {"token": self.update_token if usable else None, "transport": group.transport if usable else None,
                 "node": ray.get_runtime_context().get_node_id()}
 
-    def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict:
-        """Send the weights of the last `step(keep_weights=True)` -- or, with none kept, a one-process
-        trainer's current weights -- to the group's engines as `version`; returns the sync's report
-        (engines/weight_update.py `SyncReport`) once every engine verified it."""
+    def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict | None:
+        """Called on every training rank at once. Rank 0 sends the weights of the last
+        `step(keep_weights=True)` -- or, with none kept, its current weights, a sharded trainer's gathered
+        one parameter at a time as each bucket fills while ranks > 0 take part in those gathers
+        (`gather_only`) -- to the group's engines as `version`; it returns the sync's report
+        (engines/weight_update.py `SyncReport`, plus `kept_bytes`: the bytes of the copies the step kept
+        for it) once every engine verified it. Ranks > 0 return None."""
         import dataclasses
 
         from engines.lora import plain_model
+        from engines.weight_update import gather_only, is_shard
 
-        weights = getattr(self, "sync_weights", None)
-        if weights is None and self.world_size == 1:
+        kept, self.sync_kept = self.sync_kept, False
+        params = list(plain_model(self.engine.model).named_parameters())
+        sharded = any(is_shard(p) for _, p in params)
+        if self.rank != 0:
+            if sharded and not kept:
+                gather_only(params)
+            return None
+        weights, self.sync_weights = self.sync_weights, None
+        if weights is None and not sharded and self.world_size > 1:
+            raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False) and "
+                               f"the {self.engine.strategy.name} trainer's rank 0 does not gather them per bucket")
+        if weights is None and not sharded:  # one process: its own weights (LoRA merged)
             weights = self.engine.checkpoint_state_dict() or plain_model(self.engine.model).state_dict()
-        if weights is None:
-            raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False); a "
-                               "sharded trainer gathers them in the step")
-        try:
-            report = self.update_group.send(list(weights.items()), version=version, dtype=dtype, bucket_bytes=bucket_bytes)
-        finally:
-            self.sync_weights = None
-        return dataclasses.asdict(report)
+        named = list(weights.items()) if weights is not None else params
+        report = self.update_group.send(named, version=version, dtype=dtype, bucket_bytes=bucket_bytes)
+        own = {p.data_ptr() for _, p in params}  # a one-process trainer keeps its own tensors: no copy held
+        held = sum(t.numel() * t.element_size() for t in weights.values() if t.data_ptr() not in own) if kept else 0
+        return {**dataclasses.asdict(report), "kept_bytes": held}
 
     def update(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int,
                train_actor: bool = True) -> dict:

@@ -40,7 +40,7 @@ def _pass(spec, cfg, run: str, offload: bool) -> list:
     sleep(gens)
     (trainer,) = train_workers(cfg, run)
     ray.get(trainer.load.remote(spec, v1, cfg.training, cfg.algorithm))
-    assert live_sync(spec, cfg, trainer, 1, v1)["version"] == 1   # wakes the weights, fills them, wakes the cache
+    assert live_sync(spec, cfg, [trainer], 1, v1)["version"] == 1   # wakes the weights, fills them, wakes the cache
     samples.append(sample(generation_pool(spec, PolicyRef(key=v1, version=1))))   # served already: nothing loaded
     sleep(gens)
     samples.append(sample(generation_pool(spec, PolicyRef(key=v0, version=0))))   # the store path fills them

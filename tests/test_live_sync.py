@@ -42,7 +42,7 @@ def test_live_sync_gives_every_engine_the_trainers_weights_and_names_a_dead_one(
         (trainer,) = train_workers(cfg, run)
         ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0001", cfg.training, cfg.algorithm))
 
-        report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
+        report = live_sync(spec, cfg, [trainer], 1, f"runs/{run}/policy/v0001")
         assert report["version"] == 1 and report["engines"] == 2 and report["dtype"] == "float32"
         assert report["buckets"] >= 1 and report["bytes"] > 0
 
@@ -63,11 +63,11 @@ def test_live_sync_gives_every_engine_the_trainers_weights_and_names_a_dead_one(
             generation_pool(spec, PolicyRef(key=f"runs/{run}/policy/v0001", version=2))
 
         # a second sync reuses the group
-        assert live_sync(spec, cfg, trainer, 2, f"runs/{run}/policy/v0002")["version"] == 2
+        assert live_sync(spec, cfg, [trainer], 2, f"runs/{run}/policy/v0002")["version"] == 2
 
         ray.kill(gens[1], no_restart=True)
         with pytest.raises(LiveSyncError, match=rf"policy v3 .*generation engine flyroll/{run}/generation/1") as err:
-            live_sync(spec, cfg, trainer, 3, f"runs/{run}/policy/v0003")
+            live_sync(spec, cfg, [trainer], 3, f"runs/{run}/policy/v0003")
         assert "holds no policy to update" in str(err.value)   # the actor started in its place
     finally:
         ray.shutdown()
@@ -126,7 +126,7 @@ def test_a_generation_actor_killed_mid_sync_over_shm_then_a_clean_resume(tmp_pat
         gens = generation_pool(spec, PolicyRef(key=key[0], version=0))
         (trainer,) = train_workers(cfg, run)
         ray.get(trainer.load.remote(spec, key[1], cfg.training, cfg.algorithm))
-        report = live_sync(spec, cfg, trainer, 1, key[1])
+        report = live_sync(spec, cfg, [trainer], 1, key[1])
         assert (report["transport"], report["version"], report["buckets"]) == ("shm", 1, 4)
         published = load_file(f"{v1_dir}/model.safetensors")
         for g in gens:
@@ -142,7 +142,7 @@ def test_a_generation_actor_killed_mid_sync_over_shm_then_a_clean_resume(tmp_pat
         held_back = Queue()
         ray.get(gens[1].__ray_call__.remote(lambda w, h=_hold_after_first_bucket(held_back): setattr(w, "on_bucket", h)))
         with ThreadPoolExecutor(1) as pool:
-            attempt = pool.submit(live_sync, spec, cfg, trainer, 2, key[2])
+            attempt = pool.submit(live_sync, spec, cfg, [trainer], 2, key[2])
             assert held_back.get(timeout=60) == 0            # engine 1 applied bucket 0 of v2 and holds
             ray.kill(gens[1], no_restart=True)
             with pytest.raises(LiveSyncError, match=rf"policy v2 \({key[2]}\) failed") as err:
@@ -158,7 +158,7 @@ def test_a_generation_actor_killed_mid_sync_over_shm_then_a_clean_resume(tmp_pat
             served, version, held = _state(g)
             assert (served, version) == (key[1], 1) and all(torch.equal(held[k], published[k]) for k in published)
         # ...and its training stage syncs v2 again, through a new group
-        report = live_sync(spec, cfg, trainer, 2, key[2])
+        report = live_sync(spec, cfg, [trainer], 2, key[2])
         assert (report["transport"], report["version"]) == ("shm", 2)
         assert ray.get(trainer.update_group_state.remote())["token"] not in (None, group)
         sent = ray.get(trainer.__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.model.state_dict().items()}))

@@ -1,7 +1,8 @@
 """`checkpoint.publish_every` (tasks/publish_plan.py): which versions are published, the config
-refusals, the lineage of skipped versions, and (slow) a fused live-sync run through `pyflyte run`
-SIGKILLed between publishes that resumes to the same final weights, bit for bit, as a run never killed
-(one torch thread)."""
+refusals, the lineage of skipped versions, and (nightly) a fused live-sync run through `pyflyte run`
+SIGKILLed between publishes, before any publish, and in the middle of a publish (files uploaded,
+manifest not written) that resumes to the same final weights, bit for bit, as a run never killed (one
+torch thread; the three share one unkilled run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from tests.support.compare import assert_bitwise_equal
 from tests.support.processes import run_until_marker_then_kill
+from tests.support.store_pause import store_pause_hook
 from tests.support.workflow import PYFLYTE, REPO, _config, _env, _pyflyte_run
 
 STATE = "trainer_state.pt"
@@ -138,25 +140,36 @@ def unkilled(tmp_path_factory):
     return store, keys, _final(store, keys[-1], tmp)
 
 
-def _kill_and_resume(tmp: Path, pause_after: str, unkilled) -> tuple[list[str], list[str], str]:
-    """Run the lean config until the reward pauses (first scoring call once `pause_after`, a glob
-    under the store, exists), SIGKILL the tree, rerun; the rerun ends with the unkilled run's final
-    weights and trainer state bit for bit. Returns (versions at the kill, versions at the end, rerun output)."""
-    import subprocess
-
+def _kill(tmp: Path, pause: dict[str, str]) -> list[str]:
+    """Run the lean config until it pauses where the env vars `pause` say (and creates
+    $FLYROLL_TEST_PAUSED), SIGKILL the tree; returns the published versions at the kill."""
     config = _config(tmp, **LEAN)
     cmd = [PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)]
     paused = tmp / "paused"
-    env = {**_env(tmp), "FLYROLL_TEST_PAUSED": str(paused), "FLYROLL_TEST_PAUSE_AFTER": f"{tmp}/runs/store/{pause_after}"}
-    run_until_marker_then_kill(cmd, tmp, env, paused, tmp / "first.log")
-    _, at_kill = _policies(tmp)
+    run_until_marker_then_kill(cmd, tmp, {**_env(tmp), "FLYROLL_TEST_PAUSED": str(paused), **pause}, paused, tmp / "first.log")
+    return _policies(tmp)[1]
+
+
+def _resume(tmp: Path, unkilled) -> tuple[list[str], str]:
+    """Rerun the lean config (no pause); it ends with the unkilled run's final weights and trainer state
+    bit for bit and the same published versions. Returns (versions at the end, rerun output)."""
+    import subprocess
+
+    cmd = [PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(tmp / "config.yaml")]
     rerun = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=600)
     out = rerun.stdout + rerun.stderr
     assert rerun.returncode == 0, out[-6000:]
     store, keys = _policies(tmp)
     assert_bitwise_equal(_final(store, keys[-1], tmp), unkilled[2], "final v0004")
     assert [k.rsplit("/", 1)[-1] for k in keys] == [k.rsplit("/", 1)[-1] for k in unkilled[1]]
-    return at_kill, keys, out
+    return keys, out
+
+
+def _kill_and_resume(tmp: Path, pause_after: str, unkilled) -> tuple[list[str], list[str], str]:
+    """Kill where the reward pauses (its first call once `pause_after`, a glob under the store, exists),
+    then rerun (`_resume`). Returns (versions at the kill, versions at the end, rerun output)."""
+    at_kill = _kill(tmp, {"FLYROLL_TEST_PAUSE_AFTER": f"{tmp}/runs/store/{pause_after}"})
+    return at_kill, *_resume(tmp, unkilled)
 
 
 @pytest.mark.nightly
@@ -186,3 +199,30 @@ def test_killed_before_any_publish_restarts_to_the_same_weights(unkilled, tmp_pa
     at_kill, keys, out = _kill_and_resume(tmp_path, "runs/*/rollouts/i0001/MANIFEST.json", unkilled)
     assert at_kill == []
     assert [k.rsplit("/", 1)[-1] for k in keys] == ["v0002", "v0004"]
+
+
+@pytest.mark.nightly
+def test_killed_in_the_middle_of_a_publish_resumes_to_the_same_weights(unkilled, tmp_path):
+    """Killed in v0002's publish (the fused task's background publish) with its files uploaded and its
+    manifest not yet written: the store pause hook (tests/support/store_pause.py) holds the publish
+    there. The partial v0002 is never a version: the store does not list it, has no manifest to read,
+    and the rerun starts from the base policy, not from it. The rerun publishes v0002 over the partial
+    upload (taking over the dead writer's lease) and ends with the unkilled run's v0004 bit for bit."""
+    from infra.store import ArtifactNotFound
+
+    hook = store_pause_hook(tmp_path / "hook")
+    at_kill = _kill(tmp_path, {"PYTHONPATH": f"{hook}:{REPO}", "FLYROLL_TEST_PAUSE_MANIFEST": "/policy/v0002"})
+    assert at_kill == []                                             # nothing listed: v0002 has no manifest
+    (partial,) = (tmp_path / "runs" / "store" / "runs").glob("*/policy/v0002")
+    uploaded = sorted(p.name for p in partial.iterdir() if p.is_file())
+    assert "model.safetensors" in uploaded and STATE in uploaded and "MANIFEST.json" not in uploaded, uploaded
+    store, _ = _policies(tmp_path)
+    key = str(partial.relative_to(tmp_path / "runs" / "store"))
+    with pytest.raises(ArtifactNotFound):
+        store.manifest(key)
+    keys, out = _resume(tmp_path, unkilled)
+    assert "resume from" not in out and f"from {key}" not in out     # started from the base policy
+    assert [k.rsplit("/", 1)[-1] for k in keys] == ["v0002", "v0004"]
+    v2 = store.manifest(keys[0])
+    assert STATE in v2.files or STATE in v2.metadata.get("pruned", [])
+    assert store.verify(keys[0]).key == keys[0]                       # the republished v0002: every file's hash checks

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.store_pause import store_pause_hook
 from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 OWNED_RUN = textwrap.dedent("""
@@ -79,43 +80,6 @@ def test_runs_of_a_sigkilled_process_are_ended_by_the_next_one_and_reopened_on_r
     assert tracking.client(uri).get_run(ids[1]).data.tags["flyroll.reopened_from"] == "KILLED"
 
 
-SITECUSTOMIZE = '''
-"""Test hook (tests/test_run_status.py): pause right after the store publishes a key ending in
-$FLYROLL_TEST_PAUSE_PUBLISH -- the weight sync's publish -- so the test can SIGKILL the run there."""
-import importlib.abc, importlib.machinery, os, sys, time
-
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "infra.store":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            publish = module.ArtifactStore.publish
-
-            def paused(self, local_dir, key, **kw):
-                out = publish(self, local_dir, key, **kw)
-                if key.endswith(os.environ["FLYROLL_TEST_PAUSE_PUBLISH"]):
-                    try:
-                        os.close(os.open(os.environ["FLYROLL_TEST_PAUSED"], os.O_CREAT | os.O_EXCL))
-                        time.sleep(300)
-                    except FileExistsError:
-                        pass
-                return out
-
-            module.ArtifactStore.publish = paused
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-if os.environ.get("FLYROLL_TEST_PAUSE_PUBLISH"):
-    sys.meta_path.insert(0, _Hook())
-'''
-
-
 @pytest.mark.slow
 def test_sigkill_during_weight_sync_then_resume_leaves_nothing_running_and_no_metric_gap(tmp_path):
     from mlflow.tracking import MlflowClient
@@ -123,9 +87,7 @@ def test_sigkill_during_weight_sync_then_resume_leaves_nothing_running_and_no_me
     from infra import tracking
     from tests.support.processes import run_until_marker_then_kill
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    hook = store_pause_hook(tmp_path / "hook")    # pauses right after the store publishes .../policy/v0002
     config = _config(tmp_path, loop={"iterations": 3, "eval_every": 2})
     cmd = [PYFLYTE, "run", str(REPO / "workflows/rlvr.py"), "rlvr", "--config", str(config)]
     paused = tmp_path / "paused"

@@ -200,12 +200,14 @@ def test_a_receiver_killed_mid_sync_is_a_clear_error_not_a_hang():
     assert procs[1].exitcode == -signal.SIGKILL
 
 
-def sharded_trainer(rank, dist_port, group_port, q, leave):
+def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False):
     """Training rank `rank` of 2: the tiny model sharded by the project's FSDP2 strategy (torch
     `fully_shard`, gloo on CPU), each rank's shards moved in place (as an optimizer step moves them).
     Rank 0 sends through the update group, rank 1 takes part in its per-parameter gathers
     (`gather_only`); each reports whether every parameter was sharded, rank 0 also the digests of the
-    full weights (`full_state_dict`, a collective of both ranks) and the sync's bucket count."""
+    full weights (`full_state_dict`, a collective of both ranks) and the sync's bucket count.
+    `refuse_first`: a sync the engine refuses (bf16 to its float32 weights) comes first; rank 0's send
+    raises, and still makes the gathers rank 1's `gather_only` waits for, so both go on to the next."""
     try:
         from engines.strategies import FSDP2Strategy, init_distributed
         from engines.weight_update import gather_only
@@ -221,12 +223,16 @@ def sharded_trainer(rank, dist_port, group_port, q, leave):
         full = strategy.full_state_dict()
         if rank == 0:
             group = ModelUpdateGroup("127.0.0.1", group_port, 2, 0, timeout_s=20, member="fsdp2 rank 0")
+            if refuse_first:
+                with pytest.raises(ValueError, match="refused before any byte moved"):
+                    group.send(model.named_parameters(), version=6, dtype="bfloat16", bucket_bytes=BUCKET)
             report = group.send(model.named_parameters(), version=7, bucket_bytes=BUCKET)
             group.close()
             q.put((rank, sharded, {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                                    for k, v in full.items()}, report.buckets))
         else:
-            gather_only(model.named_parameters())
+            for _ in range(2 if refuse_first else 1):
+                gather_only(model.named_parameters())
             q.put((rank, sharded, None, None))
     except BaseException as e:  # reported at once, not after the test's wait
         q.put((rank, None, f"crashed: {type(e).__name__}: {e}", None))
@@ -235,22 +241,28 @@ def sharded_trainer(rank, dist_port, group_port, q, leave):
         leave.wait(WAIT)
 
 
-def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_equal():
+@pytest.mark.parametrize("refuse_first", [False, True], ids=["one-sync", "after-a-refused-sync"])
+def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_equal(refuse_first):
     """Two FSDP2 training ranks (every parameter a DTensor holding half of it) and one fp32 engine:
     rank 0 sends, gathering one parameter at a time as each bucket fills, while rank 1 joins those
     gathers in the same order (`gather_only`); the engine then holds the full weights bit for bit: the
-    trainer's own gathered state dict, and the unsharded model with the same change."""
+    trainer's own gathered state dict, and the unsharded model with the same change. After a refused
+    sync first, rank 1 is not left in a gather (rank 0's send made them before raising)."""
     port, dist_port, world = free_port(), free_port(), 2
-    q, procs = start_engines(port, world)
+    q, procs = start_engines(port, world, syncs=2 if refuse_first else 1)
     # spawned, not forked: a forked child of a pytest worker that ran Ray tests before (gRPC and
     # Ray threads holding locks at the fork) hung in its process-group start-up in CI
     ctx = mp.get_context("spawn")
     tq, leave = ctx.Queue(), ctx.Event()
-    trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave), daemon=True) for r in (0, 1)]
+    trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave, refuse_first), daemon=True)
+                for r in (0, 1)]
     for p in trainers:
         p.start()
     try:
         ranks = {r[0]: r for r in (tq.get(timeout=WAIT) for _ in trainers)}
+        if refuse_first:
+            _, kept, _, error, generated = q.get(timeout=WAIT)
+            assert "refused, the engine keeps v0" in error and kept == 0 and generated == "generated"
         _, served, weights, error, generated = reports(q, 1)[1]
         assert ranks[0][1] is True and ranks[1][1] is True, ranks          # really sharded, on both ranks
         assert ranks[0][3] > 2                                            # several buckets, each gathered as it filled

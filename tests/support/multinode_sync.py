@@ -66,11 +66,11 @@ def main(model_dir: str, work: str) -> dict:
 
         times["actors_ready_s"] = time.perf_counter() - t0 - times["cluster_start_s"]
         t1 = time.perf_counter()
-        report = live_sync(spec, cfg, trainer, 1, f"runs/{run}/policy/v0001")
+        report = live_sync(spec, cfg, [trainer], 1, f"runs/{run}/policy/v0001")
         times["live_sync_s"] = time.perf_counter() - t1
         shm = parse_config({**json.loads(cfg.to_json()), "sync": {**cfg.sync.model_dump(), "transport": "shm"}})
         try:                                     # a same-node transport across the two nodes: refused, naming them
-            live_sync(spec, shm, trainer, 2, f"runs/{run}/policy/v0002")
+            live_sync(spec, shm, [trainer], 2, f"runs/{run}/policy/v0002")
             refused = None
         except LiveSyncError as e:
             refused = str(e)
