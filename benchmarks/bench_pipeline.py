@@ -35,6 +35,15 @@ dispatch and type conversion between tasks, MLflow outside the stage bodies). En
 the policy's load from the store happen inside a stage's body (tasks/rollout.py, tasks/training.py),
 so they count as compute here and are not timed apart: iteration 1 vs 2..N, and per-task (actors
 made in every task) vs shared/fused (actors kept), shows them as a difference in compute.
+
+`--pipeline-as-step` runs the workflow at the `flyroll bench` step's settings, so the two compare
+(docs/benchmarks.md, 2026-12-04): no KL (`algorithm.kl_coef: 0`; with one on-policy pass the
+reference stage then runs no forward, as the step runs none), the step's reward (`--reward`,
+benchmarks/bench_reward.py) for the synthetic domains, and in the cluster-shaped modes each engine
+actor reserving `--threads` CPUs (`placement.<role>.cpu`), since an actor's torch threads are capped
+by its Ray CPU reservation (engines/threads.py) and the cpu profile reserves 1 CPU per actor. What
+stays different is what the pipeline does beyond the step: a checkpoint per version (weights and
+optimizer state), its publish to the store with lineage, MLflow, the table between stages.
 """
 
 from __future__ import annotations
