@@ -261,7 +261,7 @@ def test_train_worker_writes_the_checkpoint_itself_on_the_callers_node(ray_clust
     a, b = load_safetensors(w1["model.safetensors"]), load_safetensors(f2["model.safetensors"])
     c = load_safetensors(w3["model.safetensors"])
     assert set(a) == set(b) == set(c) and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
-    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] and m1["actor/updates"] == 1.0
+    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] == m3["actor/pg_loss"] and m1["actor/updates"] == 1.0
 
 
 # --- config and placement ------------------------------------------------------------------------
