@@ -318,6 +318,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "live, the trainer sends the weights to the generators; compare with fused), fused-live-lean (not in the default: "
                          "fused-live with checkpoint.publish_every 4; compare with fused-live); a table puts their wall, compute, "
                          "orchestration and Ray start side by side")
+    ap.add_argument("--pipeline-as-step", action="store_true",
+                    help="--pipeline at the bench step's algorithm: no KL (algorithm.kl_coef 0, so the reference stage "
+                         "runs no forward, as the step has none) and the step's reward (--reward) for the synthetic "
+                         "domains; default: the preset's KL 0.001 and the domains' own exact-match rewards")
     ap.add_argument("--learning", action="store_true",
                     help="instead: flyroll vs TRL trained for the same wall-clock budget, accuracy vs time (its options: "
                          "flyroll bench --learning --help; benchmarks/bench_learning.py)")

@@ -35,6 +35,15 @@ dispatch and type conversion between tasks, MLflow outside the stage bodies). En
 the policy's load from the store happen inside a stage's body (tasks/rollout.py, tasks/training.py),
 so they count as compute here and are not timed apart: iteration 1 vs 2..N, and per-task (actors
 made in every task) vs shared/fused (actors kept), shows them as a difference in compute.
+
+`--pipeline-as-step` runs the workflow at the `flyroll bench` step's settings, so the two compare
+(docs/benchmarks.md, 2026-12-04): no KL (`algorithm.kl_coef: 0`; with one on-policy pass the
+reference stage then runs no forward, as the step runs none), the step's reward (`--reward`,
+benchmarks/bench_reward.py) for the synthetic domains, and in the cluster-shaped modes each engine
+actor reserving `--threads` CPUs (`placement.<role>.cpu`), since an actor's torch threads are capped
+by its Ray CPU reservation (engines/threads.py) and the cpu profile reserves 1 CPU per actor. What
+stays different is what the pipeline does beyond the step: a checkpoint per version (weights and
+optimizer state), its publish to the store with lineage, MLflow, the table between stages.
 """
 
 from __future__ import annotations
@@ -60,6 +69,9 @@ MODES = {"shared": ("shared", False, 0), "per-task": ("per-task", False, 0), "fu
 # `fused-live-lean` is `fused-live` with checkpoint.publish_every LEAN_EVERY (tasks/publish_plan.py):
 # most versions are neither written nor uploaded; compare with `fused-live`
 LIVE = {"fused-live", "fused-live-lean"}
+# the synthetic domains the bench step's prompts come from (engines/synthetic.py DOMAINS, the data default)
+STEP_DOMAINS = ("arithmetic", "reverse")
+STEP_ROLES = ("actor_train", "actor_infer", "reference")  # the engine actors a bench step's work runs on
 LEAN_EVERY = 4
 
 
@@ -160,6 +172,7 @@ def read_points(tracking_uri: str) -> dict[str, dict[int, tuple[float, float]]]:
 def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, out: str, mode: str = "shared") -> dict:
     b, g = args.prompts, args.samples
     fuse = max(2, args.pipeline) if MODES[mode][1] else 1  # fused: all N iterations in one chunk (fuse 1 is unfused)
+    as_step = getattr(args, "pipeline_as_step", False)
     return {
         "run": {"name": f"bench-{name}-{engine}-{mode}", "seed": 0, "output_dir": out, "tracking_uri": f"sqlite:///{out}/mlflow.db",
                 "torch_threads": args.threads},
@@ -167,13 +180,22 @@ def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, ou
         "data": {"train_size": 256, "eval_size": 8},
         "rollout": {"engine": engine, "prompts_per_iteration": b, "samples_per_prompt": g, "temperature": 1.0,
                     "max_new_tokens": args.max_new, "micro_batch": b * g},
-        "algorithm": {"advantage": "grpo", "kl_coef": 0.001,  # the preset's KL: the reference stage does its real work
+        # the preset's KL: the reference stage does its real work; --pipeline-as-step: none, as the bench step
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.0 if as_step else 0.001,
                       **({"tis_cap": 2.0} if MODES[mode][2] else {})},
+        # --pipeline-as-step: the bench step's reward (--reward, benchmarks/bench_reward.py) for every domain
+        **({"reward": {"functions": {d: f"benchmarks.bench_reward:{args.reward}_reward" for d in STEP_DOMAINS}}}
+           if as_step else {}),
         "training": {"lr": args.lr, "mini_batch_size": b * g, "max_tokens_per_micro_batch": args.micro_tokens},
         "loop": {"iterations": args.pipeline, "eval_every": 1_000_000, "fuse": fuse},  # evaluate at the start and the end only
         "pipeline": {"off_policy_steps": MODES[mode][2]},
         "sync": {"method": "live" if mode in LIVE else "store"},
         **({"checkpoint": {"publish_every": LEAN_EVERY}} if mode == "fused-live-lean" else {}),
+        # --pipeline-as-step: every engine actor reserves --threads CPUs, so it runs --threads torch threads
+        # as the bench step's one process does (an actor's threads are capped by its Ray CPU reservation,
+        # engines/threads.py, and the cpu profile's actors reserve 1 CPU each on a cluster-shaped run)
+        **({"placement": {role: {"cpu": float(args.threads)} for role in STEP_ROLES}}
+           if as_step and MODES[mode][0] == "per-task" else {}),
     }
 
 

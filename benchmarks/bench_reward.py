@@ -28,3 +28,14 @@ def bench_reward(kind: str, text: str, answer: str) -> float:
     if answer and re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", text):
         return 0.5
     return 0.2 * (1 - min(len(text), 200) / 200)
+
+
+def shaped_reward(response: str, sample: dict) -> float:
+    """`shaped` as a flyroll reward function (`reward.functions`: fn(response, sample) -> float), so
+    `flyroll bench --pipeline-as-step` scores the workflow's samples as the bench step scores its own."""
+    return bench_reward("shaped", response, str(sample["answer"]))
+
+
+def exact_reward(response: str, sample: dict) -> float:
+    """`exact` as a flyroll reward function (see `shaped_reward`)."""
+    return bench_reward("exact", response, str(sample["answer"]))

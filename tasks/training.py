@@ -74,7 +74,7 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
         args = update_args(cfg, iteration)
         table = batch if len(workers) == 1 else ray.put(batch)  # every rank reads the one stored copy
         out = scratch_checkpoint_dir(iteration)  # removed by publish_weights
-        here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node writes into `out` itself
+        here = (ray.get_runtime_context().get_node_id(), out)  # rank 0 on this node (or machine) writes into `out` itself
         (step_metrics, files), *_ = ray.get(
             [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
                            args["train_actor"], here, with_state, live, published) for w in workers]

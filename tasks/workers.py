@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+import time
 import typing
 
 import ray
@@ -450,10 +451,13 @@ class TrainWorker:
         (checkpoint.optimizer_every; this actor keeps it in memory). `write`: False writes no checkpoint
         at all (checkpoint.publish_every: a version not published; this actor keeps weights and state).
 
-        `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, the
-        checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
+        `out` = (the caller's Ray node id, a folder there): when this actor runs on that node, or sees
+        the folder (a local cluster-shaped run starts several Ray nodes on one machine, and the
+        folder's name is the caller's unique mkdtemp one, so seeing it means sharing its filesystem),
+        the checkpoint is written straight into the folder and no bytes come back (SmolLM2's 1.6 GB
         otherwise cost a read-back, two copies through the object store and the caller's write:
-        ~5 s of each iteration's training stage here); on another node the bytes do."""
+        ~5 s of each iteration's training stage on a shared local Ray, 22.6 s of SmolLM2's 59 s in a local
+        cluster-shaped run, docs/benchmarks.md); on another machine the bytes do."""
         import tempfile
 
         import torch
@@ -464,7 +468,9 @@ class TrainWorker:
         from engines.weight_update import is_shard
         from tasks.common import TRAINER_STATE
 
+        t0 = time.perf_counter()
         metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
+        metrics["training/update_s"] = time.perf_counter() - t0  # the stage's rest: load, gather, checkpoint write
         self.key = next_key  # what weight_sync will publish these weights as
         # a sharded trainer's live sync of a version it does not write gathers per bucket in `send_weights`:
         # no rank gathers the whole model here (decided alike on every rank: same arguments, same strategy)
@@ -489,8 +495,10 @@ class TrainWorker:
             if state is not None:
                 torch.save(state, os.path.join(d, TRAINER_STATE))
 
-        if out is not None and out[0] == ray.get_runtime_context().get_node_id():
+        if out is not None and (out[0] == ray.get_runtime_context().get_node_id() or os.path.isdir(out[1])):
+            t0 = time.perf_counter()
             save(out[1])
+            metrics["training/checkpoint_write_s"] = time.perf_counter() - t0
             return metrics, {}
         with tempfile.TemporaryDirectory() as d:
             save(d)

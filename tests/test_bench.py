@@ -269,6 +269,34 @@ def test_pipeline_modes_are_checked():
     assert e.value.code == 2
 
 
+def test_pipeline_as_step_config_matches_the_bench_step():
+    """--pipeline-as-step: the workflow's config at the step's settings -- no KL, the step's reward
+    routed to both synthetic domains (and importable, as the config check asks), and in the
+    cluster-shaped modes every engine actor reserving --threads CPUs (its thread cap); the schema
+    accepts it. Without the flag: the preset's KL and the domains' own rewards."""
+    from benchmarks.bench_pipeline import pipeline_config
+    from configs.overrides import check_functions
+    from configs.schema import FlyrollConfig
+    from infra.resources import actor_options_for
+
+    args = parse_args(["--pipeline", "3", "--pipeline-as-step", "--threads", "2", "--reward", "exact"])
+    fused = FlyrollConfig.model_validate(pipeline_config("smollm2", "/m", True, "hf", args, "/tmp/o", "fused-live"))
+    assert fused.algorithm.kl_coef == 0.0 and fused.sync.method == "live"
+    assert dict(fused.reward.functions) == {"arithmetic": "benchmarks.bench_reward:exact_reward",
+                                            "reverse": "benchmarks.bench_reward:exact_reward"}
+    assert check_functions(fused) == []
+    assert [actor_options_for(fused, r, False)["num_cpus"] for r in ("actor_train", "actor_infer", "reference")] == [2.0] * 3
+    shared = FlyrollConfig.model_validate(pipeline_config("smollm2", "/m", True, "hf", args, "/tmp/o", "shared"))
+    assert shared.placement.actor_train.cpu is None  # a shared local run reserves no CPUs: no cap
+    plain = FlyrollConfig.model_validate(pipeline_config("smollm2", "/m", True, "hf", parse_args(["--pipeline", "3"]),
+                                                         "/tmp/o", "fused"))
+    assert plain.algorithm.kl_coef == 0.001 and not plain.reward.functions and plain.placement.actor_train.cpu is None
+
+    from benchmarks.bench_reward import exact_reward, shaped_reward
+
+    assert shaped_reward("it is 11.", {"answer": 11}) == 0.5 and exact_reward("11", {"answer": "11"}) == 1.0
+
+
 def test_gpu_mfu_smoke_runs_on_cpu(capsys):
     import torch
 

@@ -220,9 +220,10 @@ def test_ddp_train_workers_on_ray_match_one_worker(ray_cluster, tiny_policy, tmp
 
 
 def test_train_worker_writes_the_checkpoint_itself_on_the_callers_node(ray_cluster, tiny_policy, tmp_path, monkeypatch):
-    """tasks/training.py passes (its node id, a folder): a rank 0 on that node saves the checkpoint
-    into the folder and returns no bytes; on another node the bytes come back. Same files, same
-    bytes (two fresh workers, same data and seed)."""
+    """tasks/training.py passes (its node id, a folder): a rank 0 on that node, or on another Ray
+    node of the same machine (it sees the folder), saves the checkpoint into the folder and returns
+    no bytes; on another machine (another node, no such folder) the bytes come back. Same files,
+    same bytes (three fresh workers, same data and seed)."""
     import ray
     from safetensors.torch import load as load_safetensors
 
@@ -241,20 +242,26 @@ def test_train_worker_writes_the_checkpoint_itself_on_the_callers_node(ray_clust
     tcfg, acfg = cfg.training, cfg.algorithm
     here = ray.get_runtime_context().get_node_id()
     got = {}
-    for where, node in (("here", here), ("elsewhere", "another-node")):
+    for where, node, shared_fs in (("here", here, True), ("same-machine", "another-node", True),
+                                   ("elsewhere", "another-node", False)):
         worker = TrainWorker.__ray_actor_class__(threads=1)
         worker.load(spec, "models/base", tcfg, acfg)
         folder = tmp_path / where
-        folder.mkdir()
+        if shared_fs:  # the caller made it; on another machine the worker does not see it
+            folder.mkdir()
         metrics, files = worker.step(table, acfg, tcfg, 1.0, 1, "runs/x/policy/v0001", True, (node, str(folder)))
-        written = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        written = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()} \
+            if folder.is_dir() else {}
         got[where] = (metrics, files, written)
-    (m1, f1, w1), (m2, f2, w2) = got["here"], got["elsewhere"]
-    assert f1 == {} and w2 == {}  # written here / returned from elsewhere, never both
+    (m1, f1, w1), (m2, f2, w2), (m3, f3, w3) = got["here"], got["elsewhere"], got["same-machine"]
+    assert f1 == {} and w2 == {} and f3 == {}  # written here / returned from elsewhere, never both
+    assert set(w3) == set(w1)
+    assert "training/checkpoint_write_s" in m1 and "training/checkpoint_write_s" not in m2
     assert set(w1) == set(f2) and {"model.safetensors", "trainer_state.pt", "config.json"} <= set(w1)
     a, b = load_safetensors(w1["model.safetensors"]), load_safetensors(f2["model.safetensors"])
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] and m1["actor/updates"] == 1.0
+    c = load_safetensors(w3["model.safetensors"])
+    assert set(a) == set(b) == set(c) and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert m1["actor/pg_loss"] == m2["actor/pg_loss"] == m3["actor/pg_loss"] and m1["actor/updates"] == 1.0
 
 
 # --- config and placement ------------------------------------------------------------------------
