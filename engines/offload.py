@@ -27,6 +27,22 @@ import torch
 PARTS = {"none": (), "optimizer": ("optimizer",), "all": ("optimizer", "params")}  # placement.offload_train -> parts
 
 
+def offload_engines(offload: "TrainStateOffload | None", engines: dict, mode: str,
+                    keep_params: bool = False) -> "tuple[TrainStateOffload | None, int]":
+    """What a training actor does for `placement.offload_train` = `mode`: move `PARTS[mode]` of
+    `engines` ({name: engine or None}) away, the parameters not while `keep_params`, with `offload`
+    (created, with a folder in the temp dir, on first use). Returns (the offload, bytes moved)."""
+    import tempfile
+
+    parts = tuple(p for p in PARTS[mode] if not (keep_params and p == "params"))
+    if not parts:
+        return offload, 0
+    if offload is None:
+        offload = TrainStateOffload({k: e for k, e in engines.items() if e is not None},
+                                    tempfile.mkdtemp(prefix="flyroll-offload-"))
+    return offload, offload.offload(parts)
+
+
 def _params(engine) -> list[torch.nn.Parameter]:
     return list(engine.module.parameters())  # unique: a tied embedding is one parameter
 

@@ -88,3 +88,25 @@ def test_offload_on_cpu_hands_the_optimizer_memory_back(tmp_path):
     assert before - after >= (optimizer_bytes + grad_bytes) / 2, (before, after, optimizer_bytes, grad_bytes)
     offload.reload()
     assert _rss() - after >= optimizer_bytes / 2   # back in memory
+
+
+def test_train_and_reference_offload_that_cannot_take_effect_is_refused_naming_the_field(monkeypatch):
+    from configs.schema import parse_config
+
+    both = {"colocate": [["actor_train", "actor_infer", "reference"]]}
+    with pytest.raises(ValueError, match=r"placement.offload_train='optimizer' needs actor_train and actor_infer in one "
+                                         r"placement.colocate group"):
+        parse_config({"placement": {"offload_train": "optimizer", "colocate": [["actor_train", "reference"]]}})
+    with pytest.raises(ValueError, match=r"placement.offload_reference=true needs reference in a placement.colocate group"):
+        parse_config({"placement": {"offload_reference": True, "colocate": [["actor_train", "actor_infer"]]}})
+    with pytest.raises(ValueError, match=r"placement.offload_train='all' with training.strategy=fsdp2: offloading handles "
+                                         r"one process's plain tensors"):
+        parse_config({"placement": {**both, "offload_train": "all"}, "training": {"strategy": "fsdp2", "num_workers": 2}})
+    on = parse_config({"placement": {**both, "offload_train": "all", "offload_reference": True}})
+    assert (on.placement.offload_train, on.placement.offload_reference) == ("all", True)
+    assert on.hash() == parse_config({"placement": both}).hash()   # changes no result: resumable either way
+    monkeypatch.setenv("FLYROLL_RAY", "per-task")
+    for field, value, shown in (("offload_train", "optimizer", "'optimizer'"), ("offload_reference", True, "True")):
+        with pytest.raises(ValueError, match=rf"placement.{field}={shown} with FLYROLL_RAY=per-task and loop.fuse=1"):
+            parse_config({"placement": {**both, field: value}})
+        assert parse_config({"placement": {**both, field: value}, "loop": {"fuse": 2}}).loop.fuse == 2
