@@ -1,17 +1,23 @@
 """Peak host memory (RSS) of the pipeline with colocated generation engines asleep between rollouts
-(`placement.offload_generation`), against the same pipeline with them awake.
+(`placement.offload_generation`), the trainer's state offloaded while they run
+(`placement.offload_train`) and the reference's models dropped between its forwards
+(`placement.offload_reference`), against the same pipeline with everything resident.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.colocation_memory --models tiny,smollm2 --iterations 2
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.colocation_memory --models tiny,smollm2 --iterations 2 \
+        --offload none,weights,weights:all:ref
 
 Per model (`tiny`: the default policy's shape, random init; `smollm2`: SmolLM2-135M-Instruct, as
 `flyroll bench` prepares them, benchmarks/bench.py) it runs the real workflow (`pyflyte run
 workflows/rlvr.py rlvr`, the shared local Ray instance, hf engine, the bench pipeline's settings:
 B x G = 8 x 8, 32 new tokens, benchmarks/bench_pipeline.py `pipeline_config`) once per
-`--offload` value, one after the other, every config with `placement.colocate: [[actor_train,
-actor_infer]]`, `sync.method` from `--sync` (live by default) and one torch thread per actor
+`--offload` row, one after the other: `GEN[:TRAIN[:ref]]` = offload_generation, offload_train
+(default none) and, with `ref`, offload_reference true. Every config has `placement.colocate:
+[[actor_train, actor_infer, reference]]`, `sync.method` from `--sync` (live by default) and one torch thread per actor
 (`run.torch_threads: 1`, OMP_NUM_THREADS=1). While each runs, every Ray worker process under the
 pyflyte process is sampled every `--interval` s: its peak RSS (VmHWM, exact) per actor, and the
-peak of the sum of their RSS (sampled), which is what the host must hold at once.
+peak of the sum of their RSS (sampled), which is what the host must hold at once. Beside it: the
+sum of the per-actor peaks (what separate devices, one per actor, would need in all) and
+max(TrainWorker, GenerationWorker) peak (the colocation ideal, max(train, generate)).
 
 On one CPU host a disaggregated placement (no colocate group) runs exactly the same processes as
 `offload none` (the local shared Ray reserves no CPUs; config-wise colocation only changes Ray's
@@ -82,16 +88,25 @@ class RaySampler(threading.Thread):
             self.samples += 1
 
 
+def placement(row: str) -> dict:
+    """The placement section of an `--offload` row, GEN[:TRAIN[:ref]]."""
+    gen, train, ref = (row.split(":") + ["none", ""])[:3]
+    if ref not in ("", "ref"):
+        raise SystemExit(f"--offload row {row!r}: the third part is 'ref' or nothing")
+    return {"colocate": [["actor_train", "actor_infer", "reference"]], "offload_generation": gen,
+            "offload_train": train, "offload_reference": ref == "ref"}
+
+
 def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: str) -> dict:
     bench = SimpleNamespace(prompts=8, samples=8, max_new=32, lr=1e-6, micro_tokens=2048, threads=1, pipeline=args.iterations)
-    root = os.path.join(workdir, f"{name}-{offload}")
+    root = os.path.join(workdir, f"{name}-{offload.replace(':', '-')}")
     cfg = pipeline_config(name, model_dir, chat, "hf", bench, os.path.join(root, "runs"))
-    cfg["run"]["name"] = f"coloc-{name}-{offload}"
-    cfg["placement"] = {"colocate": [["actor_train", "actor_infer"]], "offload_generation": offload}
+    cfg["run"]["name"] = f"coloc-{name}-{offload.replace(':', '-')}"
+    cfg["placement"] = placement(offload)
     cfg["sync"] = {"method": args.sync}
     cmd, env = workflow_command(cfg, root, FLYROLL_RAY="shared", OMP_NUM_THREADS="1", FLYROLL_MAX_TORCH_THREADS="1")
     print(f"[{name} offload={offload}] {' '.join(cmd)} (log {root}/pyflyte.log)", flush=True)
-    start = time.time()
+    start, load = time.time(), os.getloadavg()[0]
     with open(os.path.join(root, "pyflyte.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT)
         sampler = RaySampler(proc.pid, args.interval)
@@ -100,12 +115,15 @@ def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: 
         sampler.stop.set()
         sampler.join()
     row = {"model": name, "offload": offload, "sync": args.sync, "seconds": round(time.time() - start, 1), "exit": rc,
-           "peak_total_mb": round(sampler.peak_total_mb), "samples": sampler.samples}
+           "peak_total_mb": round(sampler.peak_total_mb), "samples": sampler.samples,
+           "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)]}  # the box's load at the start and the end
     by_actor: dict[str, list[float]] = {}
     for a in sampler.actors.values():
         if a["actor"] != "IDLE":
             by_actor.setdefault(a["actor"], []).append(round(a["peak_rss_mb"]))
     row["actors_peak_mb"] = {k: sorted(v, reverse=True) for k, v in sorted(by_actor.items())}
+    row["sum_actor_peaks_mb"] = round(sum(v[0] for v in by_actor.values() if v))
+    row["max_train_gen_mb"] = round(max((by_actor.get(a) or [0])[0] for a in ("TrainWorker", "GenerationWorker")))
     if rc:
         row["error"] = f"pyflyte exited {rc}"
         with open(os.path.join(root, "pyflyte.log")) as f:
@@ -116,7 +134,8 @@ def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny", help="comma list of tiny, smollm2")
-    ap.add_argument("--offload", default="none,cache,weights", help="placement.offload_generation values, in run order")
+    ap.add_argument("--offload", default="none,weights,weights:all:ref",
+                    help="rows in run order, each GEN[:TRAIN[:ref]]: offload_generation, offload_train, 'ref' = offload_reference")
     ap.add_argument("--sync", choices=("live", "store"), default="live", help="sync.method of every run")
     ap.add_argument("--iterations", type=int, default=2, help="loop.iterations of each run")
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between RSS samples")
@@ -130,12 +149,13 @@ def main() -> None:
                 rows.append(run_one(name, model_dir, chat, offload, args, workdir))
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\npeak RSS, MB (torch threads 1 per actor; sync.method {args.sync}; {args.iterations} iterations; "
-          "total = peak of the sum over Ray actor processes, sampled; per actor = its VmHWM)")
+          "total = peak of the sum over Ray actor processes, sampled; per actor = its VmHWM; sum = the per-actor "
+          "peaks added (the largest process of each actor); max = max(TrainWorker, GenerationWorker))")
     actors = sorted({a for r in rows for a in r["actors_peak_mb"]})
-    print(f"{'model':8} {'offload':8} {'total':>7} " + " ".join(f"{a:>22}" for a in actors) + f" {'s':>6}")
+    print(f"{'model':8} {'offload':16} {'total':>7} {'sum':>7} {'max':>7} " + " ".join(f"{a:>22}" for a in actors) + f" {'s':>6}")
     for r in rows:
         cells = " ".join(f"{'+'.join(map(str, r['actors_peak_mb'].get(a, []))) or '-':>22}" for a in actors)
-        print(f"{r['model']:8} {r['offload']:8} {r['peak_total_mb']:>7} {cells} {r['seconds']:>6}" + (f"  {r['error']}" if r.get("error") else ""))
+        print(f"{r['model']:8} {r['offload']:16} {r['peak_total_mb']:>7} {r['sum_actor_peaks_mb']:>7} {r['max_train_gen_mb']:>7} {cells} {r['seconds']:>6}" + (f"  {r['error']}" if r.get("error") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

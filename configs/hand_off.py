@@ -1,6 +1,6 @@
 """The config's checks of how a new policy reaches the generators (FlyrollConfig's validator calls
 `check_hand_off`): asynchronous generation, `sync` (live weight sync and its transport),
-`placement.offload_generation` and `checkpoint.publish_every`. Each refusal names the field and why."""
+`placement.offload_generation` / `offload_train` / `offload_reference` and `checkpoint.publish_every`. Each refusal names the field and why."""
 
 from __future__ import annotations
 
@@ -29,8 +29,25 @@ def check_hand_off(cfg) -> None:
                          "and loop.fuse=1: each stage has its own Ray cluster, so the generation actors end with the "
                          "rollout task and share no memory with the trainer; set offload_generation: none, or "
                          "loop.fuse > 1 (one cluster for the fused iterations)")
+    offload_check(cfg)
     if cfg.checkpoint.publish_every > 1:
         publish_every_check(cfg)
+
+
+def offload_check(cfg) -> None:
+    """placement.offload_train / offload_reference: refused where the actors do not outlive their task,
+    or (offload_train) where the optimizer state is sharded."""
+    p, per_task = cfg.placement, cfg.loop.fuse == 1 and os.environ.get("FLYROLL_RAY", "shared") == "per-task"
+    for field, on, role in (("offload_train", p.offload_train != "none", "training"),
+                            ("offload_reference", p.offload_reference, "reference")):
+        if on and per_task:
+            raise ValueError(f"placement.{field}={getattr(p, field)!r} with FLYROLL_RAY=per-task and loop.fuse=1: each "
+                             f"stage has its own Ray cluster, so the {role} actors end with their task and share no memory "
+                             f"with the others; set {field} to its default, or loop.fuse > 1 (one cluster for the fused iterations)")
+    if p.offload_train != "none" and cfg.training.strategy != "torch":
+        raise ValueError(f"placement.offload_train={p.offload_train!r} with training.strategy={cfg.training.strategy}: "
+                         "offloading handles one process's plain tensors, not sharded (DTensor / DeepSpeed) optimizer "
+                         "state; set offload_train: none, or training.strategy: torch")
 
 
 def publish_every_check(cfg) -> None:

@@ -247,9 +247,12 @@ class PlacementConfig(_Section):
     reference: RoleResources = Field(default_factory=RoleResources, description="Resources of the reference-forward worker (reference and old log-probs, critic values).")
     critic: RoleResources = Field(default_factory=RoleResources, description="Extra resources the critic needs in each training worker (PPO with GAE); it always shares the actor_train workers.")
     reward: RoleResources = Field(default_factory=RoleResources, description="Resources of each reward worker.")
-    colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Colocated actors still hold all their memory unless placement.offload_generation puts the generation engines to sleep between rollouts. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
+    colocate: tuple[tuple[PlacementRole, ...], ...] = Field((), description="Groups of roles that share devices: within a group each role's actors reserve a fraction of the group's CPUs/GPUs, so they pack onto the same devices of a shared Ray cluster (a local run's single Ray instance); roles in no group reserve whole devices of their own. critic always joins actor_train's group. Colocated actors still hold all their memory unless placement.offload_generation puts the generation engines to sleep between rollouts, placement.offload_train moves the trainer's state out while they run, and placement.offload_reference drops the reference's models between its forwards. Trade-off: colocating saves devices, separating lets stages keep their weights resident without contention.")
 
     offload_generation: Literal["none", "cache", "weights"] = Field("none", description="What the generation engines (actor_infer) free after each rollout while actor_train, colocated with them, trains: 'none' (default) keeps them as they are; 'cache' frees the KV cache and generation buffers (engine sleep level 1: the HF engine hands its allocator's freed blocks back, vLLM on GPU drops its KV cache and offloads the weights to host memory); 'weights' frees the weights too (sleep level 2). The engines wake in stages before the next use: the weights first, filled by the live sync (sync.method=live) or a load from the store, then the cache; an engine never generates from unfilled weights. Needs actor_train and actor_infer in one placement.colocate group (otherwise nothing shares their memory). vLLM's sleep mode is GPU only: a vLLM engine on CPU refuses it at its first rollout. On a per-task Ray cluster (FLYROLL_RAY=per-task, unfused) the generation actors end with the rollout task anyway. Trade-off: 'weights' lowers the peak memory most (docs/placement.md has the measured figures) at the cost of a weight fill per rollout, which a store load makes slower than a live sync.")
+
+    offload_train: Literal["none", "optimizer", "all"] = Field("none", description="What the training actor (actor_train, and the critic it hosts) moves off its device after each update while the generation engines colocated with it run (engines/offload.py): 'none' (default) keeps everything resident; 'optimizer' moves the AdamW moments out and drops the gradients (the next update zeroes them first anyway) right after the step; 'all' moves the float32 parameters out too, after the live sync that reads them. From a GPU they go to host memory (pinned), on a CPU host to a file under the actor's temp dir (only leaving the process lowers its RSS). They come back bitwise before the next update (results unchanged, tests/test_train_offload.py). Needs actor_train and actor_infer in one placement.colocate group and training.strategy torch (sharded optimizer state is not handled); refused with FLYROLL_RAY=per-task and loop.fuse=1 (the training actors end with the task). Trade-off: with offload_generation: weights it brings the colocated peak toward max(train, generate) (docs/placement.md has the measured figures), at the cost of a write and a read of 2x (optimizer) or 3x (all) the weight bytes per iteration.")
+    offload_reference: bool = Field(False, description="Whether the reference worker drops its models (reference, old policy, critic) after each reference forward and loads them again from the local checkpoint cache at its next one (the reference is frozen, so it reloads the same bits). Needs reference in one placement.colocate group with actor_train or actor_infer (it frees memory for them). Refused with FLYROLL_RAY=per-task and loop.fuse=1 (the reference actor ends with its task anyway). Trade-off: one model load per iteration (about a second for SmolLM2 on CPU) for the reference's weights and buffers during generation and training.")
 
     @model_validator(mode="after")
     def _check(self) -> "PlacementConfig":
@@ -258,6 +261,15 @@ class PlacementConfig(_Section):
                              f"placement.colocate group (got colocate={[list(g) for g in self.colocate]}): the generation engines "
                              "free memory for a trainer on the same devices; without colocation nothing uses it. Add "
                              "[actor_train, actor_infer] to placement.colocate or set offload_generation: none")
+        if self.offload_train != "none" and not any({"actor_train", "actor_infer"} <= set(g) for g in self.colocate):
+            raise ValueError(f"placement.offload_train={self.offload_train!r} needs actor_train and actor_infer in one "
+                             f"placement.colocate group (got colocate={[list(g) for g in self.colocate]}): the trainer moves "
+                             "its state out for generation engines on the same devices; without colocation nothing uses the "
+                             "memory. Add [actor_train, actor_infer] to placement.colocate or set offload_train: none")
+        if self.offload_reference and not any("reference" in g and len(g) > 1 for g in self.colocate):
+            raise ValueError(f"placement.offload_reference=true needs reference in a placement.colocate group with another "
+                             f"role (got colocate={[list(g) for g in self.colocate]}): without colocation nothing uses the "
+                             "memory it frees. Add reference to actor_train's group or set offload_reference: false")
         seen: dict[str, int] = {}
         for i, group in enumerate(self.colocate):
             for r in group:
@@ -473,9 +485,9 @@ class FlyrollConfig(_Section):
         differ from their defaults, so a flyroll version that adds a setting (with a default) keeps the
         hash, and a run started before the upgrade still resumes. (A changed default does not change it.)
         Left out: settings that do not change results (loop.fuse, checkpoint, sync: the generators get the same bits either way;
-        placement.offload_generation: the engines serve the same weights after waking), so a run may be resumed with others."""
+        placement.offload_generation / offload_train / offload_reference: the same bits come back), so a run may be resumed with others."""
         values = self.model_dump(mode="json", exclude_defaults=True, exclude={"loop": {"fuse"}, "checkpoint": True, "sync": True,
-                                                                             "placement": {"offload_generation"}})
+                                                                             "placement": {"offload_generation", "offload_train", "offload_reference"}})
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, str]:

@@ -68,6 +68,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
             values = ray.get(worker.values.remote(rows, mb))
             v = np.concatenate([np.asarray(x, dtype=np.float64) for x in values] or [np.zeros(0)])
             metrics["reference/values_mean"] = float(v.mean()) if v.size else 0.0
+        if cfg.placement.offload_reference:  # the colocated generators and trainer run next: free the models
+            ray.get(worker.release.remote())
         df = with_logprobs(batch, ref_lp, old_lp, values)
         check_columns(df, "rollout", "scoring", "reference", at="leaving reference_forward")
         beh = np.concatenate([np.asarray(x, dtype=np.float64) for x in batch["behaviour_logprobs"]] or [np.zeros(0)])

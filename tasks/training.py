@@ -79,12 +79,18 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
             [w.step.remote(table, cfg.algorithm, cfg.training, args["temperature"], args["seed"], policy_key(spec, iteration),
                            args["train_actor"], here, with_state, live, published) for w in workers]
         )
-        if cfg.placement.offload_generation != "none":  # colocated generators wake next: give them the step's memory
-            ray.get([w.release_memory.remote() for w in workers])
+        offload = cfg.placement.offload_train
+        if cfg.placement.offload_generation != "none" or offload != "none":  # colocated generators wake next: give
+            # them the step's memory and (offload_train) the trainer's state, the weights once a live sync has read them
+            moved = ray.get([w.release_memory.remote(offload, live) for w in workers])[0]
         if live:  # the generators take the new weights now; weight_sync still publishes the checkpoint
             report = live_sync(spec, cfg, workers, iteration, policy_key(spec, iteration))
+            if offload == "all":
+                moved += ray.get([w.release_memory.remote(offload) for w in workers])[0]
             metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),
                             "weight_sync/live_buckets": float(report["buckets"])})
+        if offload != "none":
+            metrics["training/offloaded_mb"] = moved / 2**20
         metrics.update(step_metrics)
         metrics["training/trainer_state_published"] = float(with_state and published)
         metrics["training/checkpoint_written"] = float(published)

@@ -310,6 +310,14 @@ class ReferenceWorker:
     def pad_id(self) -> int:
         return self.pad
 
+    def release(self) -> None:
+        """Drop every model and hand their memory back (placement.offload_reference); the next `load`
+        reads them again from the local checkpoint cache (frozen or published: the same bits)."""
+        from engines.host_memory import release_allocator_caches
+
+        self.models.clear()
+        release_allocator_caches()
+
     def logprobs(self, which: str, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:
         """Log-probs of model `which` on every response token of `batch` (a RolloutBatch), one list per row."""
         from engines.batching import batched_logprobs
@@ -347,6 +355,7 @@ class TrainWorker:
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None
         self.sync_kept, self.sync_weights = False, None  # what the last step kept for `send_weights`
+        self.offload = None  # engines/offload.py TrainStateOffload while placement.offload_train has state away
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, port) for the process group's store, on rank 0's node (the one it already has)."""
@@ -397,6 +406,9 @@ class TrainWorker:
 
         model_dir = fetch_cached(spec, key)
         device, dtype = _placed(self.devices, "actor_train")
+        if self.offload is not None:  # the engines it holds state of are replaced
+            self.offload.discard()
+            self.offload = None
         path = os.path.join(model_dir, TRAINER_STATE)
         if state is None:
             state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
@@ -433,14 +445,25 @@ class TrainWorker:
         self.key = key
         return "loaded"
 
-    def release_memory(self) -> None:
+    def release_memory(self, offload: str = "none", keep_params: bool = False) -> int:
         """Hand the memory freed after a step back (glibc's heap, which this process keeps between steps,
         engines/host_memory.py; CUDA's caching allocator on a GPU): asked when the generation engines
         colocated with this trainer sleep between rollouts (placement.offload_generation), so the
-        rollout beside it finds the step's transient memory free. The next step pays the page faults."""
+        rollout beside it finds the step's transient memory free. The next step pays the page faults.
+        `offload` (placement.offload_train): first move that state off the device (engines/offload.py),
+        the parameters not while `keep_params` (a live sync still reads them); the next call that
+        needs it (`update`, `trainer_state`, `send_weights`) brings it back. Returns the bytes moved."""
         from engines.host_memory import release_allocator_caches
+        from engines.offload import offload_engines
 
+        self.offload, moved = offload_engines(self.offload, {"actor": self.engine, "critic": self.critic_engine},
+                                              offload, keep_params)
         release_allocator_caches()
+        return moved
+
+    def _resident(self) -> None:
+        if self.offload is not None:
+            self.offload.reload()
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
@@ -550,6 +573,7 @@ class TrainWorker:
         from engines.lora import plain_model
         from engines.weight_update import gather_only, is_shard
 
+        self._resident()  # placement.offload_train: the weights back before they are read
         kept, self.sync_kept = self.sync_kept, False
         params = list(plain_model(self.engine.model).named_parameters())
         sharded = any(is_shard(p) for _, p in params)
@@ -577,6 +601,7 @@ class TrainWorker:
         from engines.rl_step import train_update
         from engines.rollout_batch import RolloutBatch
 
+        self._resident()
         batch = RolloutBatch.from_table(table, self.tokenizer.pad_token_id)  # the one conversion
         metrics, self.algo_state = train_update(
             self.engine, self.critic_engine, batch, algorithm, self.algo_state, temperature=temperature,
@@ -587,6 +612,7 @@ class TrainWorker:
     def trainer_state(self) -> dict:
         """Collective. What trainer_state.pt holds: optimizer moments and LR schedule (with LoRA the
         adapters and the frozen base's key), the objective state, the critic's optimizer state."""
+        self._resident()
         state = {**self.engine.state_dict(), "algorithm": self.algo_state.to_dict()}
         if self.engine.lora:  # the frozen base's key: a resume loads it and puts the adapters back on it
             state["lora_base"] = self.lora_base

@@ -91,3 +91,55 @@ def test_offload_that_cannot_take_effect_is_refused_naming_the_field(monkeypatch
     with pytest.raises(ValueError, match=r"placement.offload_generation='cache' with FLYROLL_RAY=per-task and loop.fuse=1"):
         parse_config({"placement": {**both, "offload_generation": "cache"}})
     assert parse_config({"placement": {**both, "offload_generation": "cache"}, "loop": {"fuse": 2}}).loop.fuse == 2
+
+
+@pytest.mark.slow
+def test_a_trainer_actor_that_offloads_its_state_trains_what_a_resident_one_does(tmp_path, monkeypatch, tiny_model_dir,
+                                                                                    tiny_policy):
+    """placement.offload_train=all through a real TrainWorker actor (tasks/workers.py `release_memory`,
+    engines/offload.py): two updates, the state moved to a file after each and back for the next, give
+    the same metrics, checkpoint weights and trainer state, bit for bit, as an actor that kept it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from configs.schema import parse_config
+    from infra.store import ArtifactStore
+    from tasks.training import train_workers
+    from tasks.types import RunSpec
+    from tests.support.training import _scored_table
+
+    root = str(tmp_path / "store")
+    monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    table = _scored_table(*tiny_policy)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        runs = {}
+        for run, mode in (("resident", "none"), ("offloaded", "all")):
+            publish_two_versions(ArtifactStore(root), tiny_model_dir, tmp_path / run, run)
+            cfg = parse_config({"run": {"torch_threads": 1}, "training": {"mini_batch_size": 8},
+                                "placement": {"colocate": [["actor_train", "actor_infer"]], "offload_train": mode}})
+            spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
+            (trainer,) = train_workers(cfg, run)
+            ray.get(trainer.load.remote(spec, f"runs/{run}/policy/v0000", cfg.training, cfg.algorithm))
+            here = ray.get_runtime_context().get_node_id()
+            steps = []
+            for it in (1, 2):
+                out = str(tmp_path / run / f"v{it}")
+                metrics, _ = ray.get(trainer.step.remote(table, cfg.algorithm, cfg.training, 1.0, it, f"runs/{run}/policy/v{it:04d}",
+                                                         True, (here, out), True, False, True))
+                moved = ray.get(trainer.release_memory.remote(mode))
+                held = ray.get(trainer.__ray_call__.remote(lambda w: sum(p.numel() for p in w.engine.module.parameters())))
+                assert (moved > 0, held == 0) == ((True, True) if mode == "all" else (False, False))
+                metrics.pop("training/tokens_per_s")  # a timing
+                steps.append((metrics, load_file(f"{out}/model.safetensors"),
+                              torch.load(f"{out}/trainer_state.pt", weights_only=True)["optimizer"]["state"]))
+            runs[run] = steps
+            ray.kill(trainer)
+    finally:
+        ray.shutdown()
+    for (m_res, w_res, s_res), (m_off, w_off, s_off) in zip(runs["resident"], runs["offloaded"]):
+        assert m_res == m_off
+        assert w_res.keys() == w_off.keys() and all(torch.equal(w_res[k], w_off[k]) for k in w_res)
+        assert s_res.keys() == s_off.keys()
+        assert all(torch.equal(s_res[i][k], s_off[i][k]) for i in s_res for k in s_res[i])
