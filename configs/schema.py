@@ -292,6 +292,7 @@ class EnvConfig(_Section):
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
     workers: int = Field(0, ge=0, le=1024, description="Environment worker pool (infra/env_pool.py): N > 0 = the environments live in N Ray actors of their own (env.worker_cpus each, many environments per actor) and the asynchronous manager (engines/async_env_manager.py) plays every episode as its own loop, its generation requests batched across episodes onto the generation actors, so a slow step delays only its episode; an env worker that dies has its episodes restarted (env.max_retries) or dropped with their group, counted in env_manager/*. 0 = the lock-step manager inside each generation actor (one batched generate per turn).")
     worker_cpus: float = Field(1.0, gt=0, le=64, description="env.workers > 0: CPUs Ray reserves for each env worker actor. The rollout's and evaluation's Ray clusters get one more CPU-only pod of ceil(env.workers x env.worker_cpus) CPUs for them (infra/resources.py env_pool_cpus).")
+    worker_memory: str = Field("512Mi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti)$", description="env.workers > 0: memory each env worker actor requests from Ray, Kubernetes style ('512Mi', '2Gi'). The env workers' pod gets env.workers x this plus 1Gi for the Ray node's own processes and object store (infra/resources.py env_pool_memory_gi). Default: one worker measured at ~330 MiB resident with 16 webshop, sokoban or tool_table environments (~380 MiB with 128 webshop ones; benchmarks/env_worker_memory.py, docs/agentic.md), with headroom; raise it for environments that hold more per episode.")
     worker_concurrency: int = Field(16, ge=1, le=4096, description="env.workers > 0: calls (reset/step) one env worker runs at once, on threads; a hung step holds one of them until the manager's env.step_timeout_s kills its actor.")
     step_timeout_s: float = Field(60.0, gt=0, le=3600, description="env.workers > 0: a reset or step past this ends its episode with env_timeout (a reset is retried) and the actor running it is killed and replaced.")
     max_retries: int = Field(1, ge=0, le=16, description="env.workers > 0: restarts (from its reset, on another actor) of an episode whose env worker died; past them the episode is dropped with its group and counted.")
@@ -454,7 +455,7 @@ class FlyrollConfig(_Section):
         if not self.env.workers:
             default = EnvConfig(name=self.env.name)
             refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
-                        for k in ("worker_cpus", "worker_concurrency", "step_timeout_s", "max_retries")
+                        for k in ("worker_cpus", "worker_memory", "worker_concurrency", "step_timeout_s", "max_retries")
                         if getattr(self.env, k) != getattr(default, k)]
         if refused:
             raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)

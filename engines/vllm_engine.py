@@ -50,6 +50,7 @@ import threading
 import time
 
 from engines.generation import Completion, SamplingParams
+from engines.generation_router import RequestDelta
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention kernels
@@ -212,14 +213,7 @@ class VLLMGenerationEngine:
 
         if abort is not None and abort.is_set():
             return []
-        if self.torn:
-            raise RuntimeError(f"VLLMGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
-                               "policy until a full update (a new sync, or load_weights of the last good version)")
-        if self.unfilled or (self.sleep_level == 2 and "weights" in self.asleep):
-            raise RuntimeError("VLLMGenerationEngine holds no weights to generate from: they were dropped by sleep(2); "
-                               "wake_up(['weights']) then fill them (a live sync's update_weights, or load_weights)")
-        if self.asleep:  # level 1: the weights come back from host memory, the KV cache is reallocated
-            self.wake_up()
+        self.check_servable()
         engine, n = self.llm.llm_engine, params.n
         call = f"flyroll-{next(self._calls)}"  # unique per call: no id of an earlier (aborted) call is reused
         request_ids = {f"{call}-{i}": i for i in range(len(prompt_token_ids))}
@@ -258,6 +252,54 @@ class VLLMGenerationEngine:
                                       finish_reason=finish[i][j] or "abort",
                                       text=self.tokenizer.decode(tokens[i][j], skip_special_tokens=True)))
         return out
+
+    def check_servable(self) -> None:
+        """Raise when the engine holds no policy to serve (a torn live sync, weights dropped by sleep(2));
+        wake it when sleep(1) offloaded it. Every generation path calls it first."""
+        if self.torn:
+            raise RuntimeError(f"VLLMGenerationEngine holds a partial weight update (last: {self.torn}); it serves no "
+                               "policy until a full update (a new sync, or load_weights of the last good version)")
+        if self.unfilled or (self.sleep_level == 2 and "weights" in self.asleep):
+            raise RuntimeError("VLLMGenerationEngine holds no weights to generate from: they were dropped by sleep(2); "
+                               "wake_up(['weights']) then fill them (a live sync's update_weights, or load_weights)")
+        if self.asleep:  # level 1: the weights come back from host memory, the KV cache is reallocated
+            self.wake_up()
+
+    # --- one request at a time, stepped by the caller (engines/generation_router.py ContinuousRouter) ---
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Add one request (n must be 1; its seed is `params.seed` as given) to vLLM's running batch: the
+        next `step_deltas` schedules it with whatever else is in flight (continuous batching)."""
+        from vllm.inputs import TokensPrompt
+
+        if params.n != 1:
+            raise ValueError(f"add_request takes one completion per request; got SamplingParams.n={params.n}")
+        self.check_servable()
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                        self.vllm_params(params, 0))
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One vLLM engine step: per request that advanced, the tokens (and log-probs) new in it, its
+        finish reason once it finished."""
+        out = []
+        for res in self.llm.llm_engine.step():
+            for c in res.outputs:  # n = 1: one sample
+                if c.finish_reason not in (None, "stop", "length"):
+                    raise RuntimeError(f"vLLM request {res.request_id} ended with finish_reason={c.finish_reason!r}")
+                out.append(RequestDelta(res.request_id, list(c.token_ids),
+                                        [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs)],
+                                        (c.finish_reason or "abort") if res.finished else None))
+        return out
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop these requests now (their KV blocks freed); the next steps no longer report them."""
+        if request_ids:
+            self.llm.llm_engine.abort_request(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def vllm_params(self, params: SamplingParams, i: int):
         """vLLM's SamplingParams of prompt `i` of a call: its own seed `params.seed + i * n` (sample j

@@ -2,7 +2,7 @@
 
 It is the ``EnvWorkerPool`` the asynchronous manager (engines/async_env_manager.py) drives, with the
 environments out of the generation actors and on CPUs of their own (``env.workers``,
-``env.worker_cpus``, ``env.worker_concurrency``; docs/agentic.md). Same contract as
+``env.worker_cpus``, ``env.worker_memory``, ``env.worker_concurrency``; docs/agentic.md). Same contract as
 engines/env_workers.py ``ProcessEnvPool``:
 
 - an environment lives on the actor its first ``reset`` went to (the one holding fewest);
@@ -65,7 +65,7 @@ class RayEnvPool:
     Ray (``ray.init`` or a Flyte Ray task)."""
 
     def __init__(self, factory: Callable[[], TextEnv], workers: int = 2, cpus: float = 1.0, concurrency: int = 16,
-                 ready_timeout_s: float = 120.0):
+                 ready_timeout_s: float = 120.0, memory_bytes: int = 0):
         if workers < 1 or cpus <= 0 or concurrency < 1:
             raise ValueError(f"RayEnvPool needs workers >= 1, cpus > 0 and concurrency >= 1; got workers={workers}, "
                              f"cpus={cpus}, concurrency={concurrency}")
@@ -73,7 +73,14 @@ class RayEnvPool:
         if workers * cpus > total:
             raise ValueError(f"env.workers={workers} x env.worker_cpus={cpus:g} = {workers * cpus:g} CPUs, but the Ray "
                              f"cluster has {total:g}: lower env.workers or env.worker_cpus, or give the stage more CPUs")
-        self.factory, self.cpus, self.concurrency = factory, cpus, concurrency
+        if memory_bytes < 0:
+            raise ValueError(f"RayEnvPool needs memory_bytes >= 0; got {memory_bytes}")
+        free_mem = ray.cluster_resources().get("memory", 0.0)
+        if memory_bytes and workers * memory_bytes > free_mem:
+            raise ValueError(f"env.workers={workers} x env.worker_memory={memory_bytes / 2**20:g}Mi = "
+                             f"{workers * memory_bytes / 2**30:.2f}Gi, but the Ray cluster offers {free_mem / 2**30:.2f}Gi "
+                             "of actor memory: lower env.workers or env.worker_memory, or give the stage more memory")
+        self.factory, self.cpus, self.concurrency, self.memory_bytes = factory, cpus, concurrency, memory_bytes
         self._lock = threading.Lock()
         self._where: dict[str, _Worker] = {}
         self.workers_lost = 0
@@ -88,7 +95,9 @@ class RayEnvPool:
                                "the rest): lower env.workers or env.worker_cpus") from None
 
     def _start(self) -> _Worker:
-        actor = _Actor.options(num_cpus=self.cpus, max_concurrency=self.concurrency, max_restarts=0).remote(self.factory)
+        memory = {"memory": self.memory_bytes} if self.memory_bytes else {}   # 0: no memory reservation
+        actor = _Actor.options(num_cpus=self.cpus, max_concurrency=self.concurrency, max_restarts=0,
+                               **memory).remote(self.factory)
         return _Worker(actor)
 
     def _lost(self, worker: _Worker, kill: bool) -> None:

@@ -15,7 +15,7 @@ defaults they return exactly the profile values above. `hosted_roles` / `task_ac
 actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py).
 The agentic rollout and evaluation tasks with `env.workers > 0` also start the env worker pool
 (infra/env_pool.py): their cluster gets one more CPU-only pod of ceil(env.workers x env.worker_cpus)
-CPUs for it (`env_pool_cpus`).
+CPUs (`env_pool_cpus`) and env.workers x env.worker_memory + 1Gi (`env_pool_memory_gi`) for it.
 `pyflyte package` with FLYROLL_CONFIG=<preset> compiles a preset's placement into the tasks'
 resources. `check_placement(cfg)` refuses, before any cluster starts, a role placed on cuda whose
 worker requests no GPU, and a `sync.transport: cuda_ipc` whose trainer or generators are not on cuda.
@@ -144,19 +144,38 @@ def env_pool_cpus(cfg, task: str) -> int:
     return math.ceil(e.workers * e.worker_cpus - 1e-9)
 
 
+ENV_POD_RAY_GI = 1.0         # the env workers' pod beyond its actors: Ray's own processes (raylet, agents)...
+ENV_POD_OBJECT_STORE_GI = 0.5  # ...of which this is the object store (env calls pass short strings)
+
+
+def env_worker_memory_bytes(cfg) -> int:
+    """`env.worker_memory` in bytes: what each env worker actor reserves (Ray's `memory`)."""
+    return int(_gi(cfg.env.worker_memory) * 2**30)
+
+
+def env_pool_memory_gi(cfg, task: str) -> float:
+    """Memory (Gi) of the env workers' pod: env.workers x env.worker_memory for the actors plus
+    ENV_POD_RAY_GI for the Ray node itself; 0 where the task starts no pool."""
+    if not env_pool_cpus(cfg, task):
+        return 0.0
+    return cfg.env.workers * _gi(cfg.env.worker_memory) + ENV_POD_RAY_GI
+
+
 def _with_env_workers(cfg, task: str, job: RayJobConfig) -> RayJobConfig:
-    """`job` plus one CPU-only pod of `env_pool_cpus` CPUs for the env worker actors, so they run on
-    CPUs of their own instead of taking the generation actors' (RayEnvPool refuses a pool larger
-    than the cluster). Its memory is the scoring stage's pod (the profile's CPU-only worker pod: env
-    steps, like reward functions, are Python on CPU)."""
+    """`job` plus one CPU-only pod of `env_pool_cpus` CPUs and `env_pool_memory_gi` memory for the env
+    worker actors, so they run on CPUs of their own instead of taking the generation actors'
+    (RayEnvPool refuses a pool larger than the cluster). Its Ray node offers exactly the actors'
+    memory (`memory`), the object store taking part of the headroom, so the actors' reservations
+    fit whatever Ray's default split of the pod would be."""
     cpus = env_pool_cpus(cfg, task)
     if not cpus:
         return job
-    pod = role("scoring")
-    req = Resources(cpu=str(cpus), mem=pod.requests.mem)
-    lim = Resources(cpu=str(cpus), mem=pod.limits.mem)
+    mem = f"{env_pool_memory_gi(cfg, task):g}Gi"
+    req, lim = Resources(cpu=str(cpus), mem=mem), Resources(cpu=str(cpus), mem=mem)
+    params = {"num-cpus": str(cpus), "memory": str(cfg.env.workers * env_worker_memory_bytes(cfg)),
+              "object-store-memory": str(int(ENV_POD_OBJECT_STORE_GI * 2**30))}
     group = WorkerNodeConfig(group_name=f"{task}-env-workers", replicas=1, requests=req, limits=lim,
-                             ray_start_params={"num-cpus": str(cpus)})
+                             ray_start_params=params)
     return dataclasses.replace(job, worker_node_config=[*job.worker_node_config, group])
 
 
@@ -232,7 +251,7 @@ def task_actors(cfg, task: str) -> list[tuple[str, dict]]:
     plan = placement_plan(cfg)
     actors = [(r, actor_options_for(cfg, r, local=False)) for r in hosted_roles(cfg, task) for _ in range(plan[r].num_workers)]
     if env_pool_cpus(cfg, task):  # the env worker pool's actors (infra/env_pool.py RayEnvPool)
-        actors += [("env", {"num_cpus": cfg.env.worker_cpus})] * cfg.env.workers
+        actors += [("env", {"num_cpus": cfg.env.worker_cpus, "memory": env_worker_memory_bytes(cfg)})] * cfg.env.workers
     return actors
 
 

@@ -24,7 +24,7 @@ from engines.generation_router import BatchingRouter
 from infra import tracking
 from infra.env_pool import RayEnvPool
 from infra.ray_cluster import ray_job
-from infra.resources import task_resources
+from infra.resources import env_worker_memory_bytes, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.pools import generation_pool, rollout_sampling
 from tasks.prompts import EVAL_SEED0, TRAIN_SEED0
@@ -96,7 +96,7 @@ def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: 
     pool = None
     try:
         pool = RayEnvPool(EnvSpec(e.name, dict(e.kwargs)), workers=e.workers, cpus=e.worker_cpus,
-                          concurrency=e.worker_concurrency)
+                          concurrency=e.worker_concurrency, memory_bytes=env_worker_memory_bytes(cfg))
         out = run_groups(router, pool, tokenizer, e.name, seeds, group_size=group_size, max_turns=e.max_turns,
                          max_context_tokens=e.max_context_tokens, sampling=params, chat=cfg.model.apply_chat_template,
                          step_timeout_s=e.step_timeout_s, max_retries=e.max_retries, groups_wanted=groups_wanted, keep=keep)

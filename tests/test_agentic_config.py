@@ -53,7 +53,7 @@ def test_agentic_refusal_lists_every_field_at_once():
     assert "dynamic sampling" in str(info.value)
 
 
-@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3"])
+@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_memory=1Gi", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3"])
 def test_env_pool_options_need_env_workers(field):
     with pytest.raises((ConfigError, ValueError)) as info:
         load_config(PRESET, [f"env.{field}"])
@@ -66,3 +66,10 @@ def test_env_workers_out_of_range_is_refused():
     with pytest.raises((ConfigError, ValueError)) as info:
         load_config(PRESET, ["env.workers=-1"])
     assert "env.workers" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["512MB", "1.5G", "lots", "-1Gi"])
+def test_malformed_env_worker_memory_is_refused_naming_the_field(value):
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["env.workers=2", f"env.worker_memory={value}"])
+    assert "env.worker_memory" in str(info.value)

@@ -178,10 +178,27 @@ def test_env_worker_pool_gets_cpus_of_its_own_in_the_agentic_clusters(monkeypatc
         before, after = node_shapes(r.stage_ray_job(none, stage)), node_shapes(r.stage_ray_job(pool, stage))
         assert after == before + [(f"{stage}-env-workers-0", 2.0, 0.0)], (stage, before, after)
         env_actors = [o for role, o in r.task_actors(pool, stage) if role == "env"]
-        assert env_actors == [{"num_cpus": 0.5}] * 4
+        assert env_actors == [{"num_cpus": 0.5, "memory": 512 * 2**20}] * 4   # env.worker_memory's default, 512Mi
+        group = r.stage_ray_job(pool, stage).worker_node_config[-1]
+        assert group.requests.mem == group.limits.mem == "3Gi"                 # 4 x 512Mi + 1Gi for Ray itself
+        assert int(group.ray_start_params["memory"]) == 4 * 512 * 2**20
         assert len(r.task_actors(pool, stage)) == len(r.task_actors(none, stage)) + 4
         assert sum(c for _, c, _ in after) - sum(c for _, c, _ in before) == 2.0
         assert unplaced(r.task_actors(pool, stage), nodes_of_job(r.stage_ray_job(pool, stage))) == []
     for stage in ("scoring", "reference", "training"):
         assert node_shapes(r.stage_ray_job(pool, stage)) == node_shapes(r.stage_ray_job(none, stage)), stage
         assert r.task_actors(pool, stage) == r.task_actors(none, stage), stage
+
+
+def test_env_worker_memory_sizes_the_actors_and_the_env_pod(monkeypatch):
+    """env.worker_memory: each env actor's Ray memory reservation and the pod's memory (workers x it + 1Gi)."""
+    from infra import resources as r
+
+    monkeypatch.setenv("FLYROLL_PROFILE", "cpu")
+    cfg = load_config(REPO / "configs" / "frozenlake.yaml", ["env.workers=3", "env.worker_cpus=0.5", "env.worker_memory=2Gi"])
+    assert r.env_worker_memory_bytes(cfg) == 2 * 2**30 and r.env_pool_memory_gi(cfg, "rollout") == 7.0
+    assert r.env_pool_memory_gi(cfg, "training") == 0.0
+    group = r.stage_ray_job(cfg, "rollout").worker_node_config[-1]
+    assert (group.group_name, group.requests.mem, group.limits.mem) == ("rollout-env-workers", "7Gi", "7Gi")
+    assert [o["memory"] for role, o in r.task_actors(cfg, "rollout") if role == "env"] == [2 * 2**30] * 3
+    assert unplaced(r.task_actors(cfg, "rollout"), nodes_of_job(r.stage_ray_job(cfg, "rollout"))) == []

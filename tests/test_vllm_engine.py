@@ -280,6 +280,92 @@ def test_generate_returns_what_llm_generate_returns(on_policy_a, policies):
     assert reasons == {"stop", "length"}  # both endings compared
 
 
+def _wait_for(cond, timeout_s=60.0):
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.001)
+
+
+@needs_vllm
+def test_continuous_router_answers_a_late_short_request_before_an_early_long_one(on_policy_a, policies):
+    """ContinuousRouter over vLLM: a long request, then (once it has run a few engine steps) a short
+    one: the short one joins the running batch (a step holds both) and is answered while the long one
+    still runs. Each request's tokens and log-probs are a single-request `generate`'s with the seed the
+    router gave it (seed + 1009 k for its k-th request), and carry the version served when it entered."""
+    import dataclasses
+
+    from engines.generation import SamplingParams
+    from engines.generation_router import SEED_STRIDE, ContinuousRouter
+
+    tok = policies[2]
+    long_ids, short_ids = encode(tok, ["9-3+4-1=", "2+2="])
+    long = SamplingParams(temperature=1.0, max_new_tokens=110, seed=5)
+    short = SamplingParams(temperature=1.0, max_new_tokens=3, seed=7)
+    router = ContinuousRouter(on_policy_a, policy_version=3)
+    try:
+        order = []
+        a = router.submit(long_ids, long)
+        a.add_done_callback(lambda f: order.append("long"))
+        _wait_for(lambda: router.stats().calls >= 5)
+        b = router.submit(short_ids, short)
+        b.add_done_callback(lambda f: order.append(("short", a.done())))
+        ra, rb = a.result(timeout=120), b.result(timeout=120)
+        stats = router.stats()
+    finally:
+        router.close()
+    assert order == [("short", False), "long"]           # answered the step it finished, the long one still running
+    assert max(stats.batch_sizes) == 2 and stats.requests == 2   # both in one running batch at once
+    assert (ra.policy_version, rb.policy_version) == (3, 3)
+    ref_a = on_policy_a.generate([long_ids], dataclasses.replace(long, seed=5))[0]
+    ref_b = on_policy_a.generate([short_ids], dataclasses.replace(short, seed=7 + SEED_STRIDE))[0]
+    assert ra.completion.finish_reason == ref_a.finish_reason and len(ra.completion.token_ids) > 20
+    for got, ref in ((ra.completion, ref_a), (rb.completion, ref_b)):
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        assert got.text == tok.decode(got.token_ids, skip_special_tokens=True)
+
+
+@needs_vllm
+def test_continuous_router_aborts_cancelled_requests_and_publishes_between_requests(engine, policies):
+    """A request cancelled while in the engine leaves vLLM (no request left); `publish` reloads the
+    weights in place once the running request has finished, which keeps the old version's tag, and the
+    next request is served (and tagged) by the new policy; sleep/wake through `run_idle` keeps serving."""
+    from engines.generation import SamplingParams
+    from engines.generation_router import ContinuousRouter
+
+    tok, dir_a, dir_b = policies[2], policies[3], policies[4]
+    if engine.model_dir != dir_a:
+        engine.load_weights(dir_a)
+    ids = encode(tok, ["rev abc="])[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    router = ContinuousRouter(engine, policy_version=0)
+    try:
+        doomed = router.submit(ids, SamplingParams(temperature=1.0, max_new_tokens=110, seed=1))
+        _wait_for(lambda: router.stats().calls >= 3)
+        assert doomed.cancel()                     # still pending while in the engine: the episode can cancel it
+        _wait_for(lambda: not engine.has_unfinished_requests())
+        running = router.submit(ids, greedy)
+        _wait_for(engine.has_unfinished_requests)
+        router.publish(1, load=lambda e: e.load_weights(dir_b))
+        assert running.done() and running.result().policy_version == 0
+        after = router.submit(ids, greedy).result(timeout=120)
+        assert after.policy_version == 1 and router.policy_version == 1
+        ref_b = engine.generate([ids], greedy)[0]   # policy B's
+        assert after.completion.token_ids == ref_b.token_ids
+        assert after.completion.logprobs == pytest.approx(ref_b.logprobs, abs=1e-5)
+        router.run_idle(lambda e: e.sleep(1))    # a no-op on CPU; on GPU the next request wakes the engine
+        again = router.submit(ids, greedy).result(timeout=120)
+        assert again.completion.token_ids == after.completion.token_ids
+    finally:
+        router.close()
+        engine.load_weights(dir_a)
+    # A served the running request, B the later one (greedy, both tiny policies may pick the same tokens)
+    assert running.result().completion.logprobs != pytest.approx(after.completion.logprobs, abs=1e-3)
+
+
 @needs_vllm
 def test_abort_from_another_thread_stops_generate_and_frees_the_engine(on_policy_a, policies):
     """An abort event set from another thread while a long generation runs: the call returns with the
