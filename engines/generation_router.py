@@ -118,15 +118,7 @@ class BatchingRouter:
         return max(self.versions)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> Future[Generated]:
-        if params.n != 1:
-            raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
-        future: Future = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the router is closed")
-            self._queue.append(_Request(list(prompt_token_ids), params, future, time.monotonic()))
-            self._cond.notify()
-        return future
+        return _enqueue(self, prompt_token_ids, params)
 
     def publish(self, version: int, load: Callable[[GenerationEngine], None] | None = None) -> None:
         """New weights: ``load(engine)`` on each engine between its batches, then its version is ``version``."""
@@ -240,15 +232,7 @@ class ContinuousRouter:
         return self.version
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> Future[Generated]:
-        if params.n != 1:
-            raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
-        future: Future = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the router is closed")
-            self._queue.append(_Request(list(prompt_token_ids), params, future, time.monotonic()))
-            self._cond.notify()
-        return future
+        return _enqueue(self, prompt_token_ids, params)
 
     def run_idle(self, fn: Callable[[StreamingEngine], object]) -> object:
         """``fn(engine)`` once no request is in the engine (new ones wait meanwhile), on the router's
@@ -376,3 +360,17 @@ class ContinuousRouter:
         for _, run in running:
             if run.request.future.set_running_or_notify_cancel():
                 run.request.future.set_exception(error)
+
+
+def _enqueue(router, prompt_token_ids: list[int], params: SamplingParams) -> Future:
+    """`submit` of both routers: one completion per request, queued under the router's condition
+    (`_cond`, `_queue`, `_closed`) for its serving thread."""
+    if params.n != 1:
+        raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
+    future: Future = Future()
+    with router._cond:
+        if router._closed:
+            raise RuntimeError("the router is closed")
+        router._queue.append(_Request(list(prompt_token_ids), params, future, time.monotonic()))
+        router._cond.notify()
+    return future
