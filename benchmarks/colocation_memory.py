@@ -23,8 +23,10 @@ On one CPU host a disaggregated placement (no colocate group) runs exactly the s
 `offload none` (the local shared Ray reserves no CPUs; config-wise colocation only changes Ray's
 fractional reservations), so its total is that row's; on separate devices each role's device would
 need its own actors' peak (the per-actor columns). RSS counts shared library pages in every process
-(torch alone ~300 MB each), so the totals overstate the unique memory by that much, equally in
-every row.
+(torch alone ~300 MB each), so the RSS totals overstate the unique memory by that much, equally in
+every row. The `pss` column is the peak of the summed PSS (`/proc/<pid>/smaps_rollup`: each shared
+page divided among the processes that map it), the memory the actors really hold at once; it is
+read every `--pss-every` samples, since smaps_rollup walks the page tables (a few ms per GB).
 """
 
 from __future__ import annotations
@@ -48,21 +50,27 @@ def _status_kb(pid: int, *keys: str) -> dict[str, int]:
         return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in keys}
 
 
+def _pss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+
+
 class RaySampler(threading.Thread):
     """Samples the Ray worker processes (`ray::<Class>...` titles) under `root_pid` every `interval` s."""
 
-    def __init__(self, root_pid: int, interval: float):
+    def __init__(self, root_pid: int, interval: float, pss_every: int = 4):
         super().__init__(daemon=True)
-        self.root, self.interval, self.stop = root_pid, interval, threading.Event()
+        self.root, self.interval, self.pss_every, self.stop = root_pid, interval, pss_every, threading.Event()
         self.actors: dict[int, dict] = {}   # pid -> {"actor": class, "peak_rss_mb": VmHWM}
-        self.peak_total_mb, self.samples = 0.0, 0
+        self.peak_total_mb, self.peak_pss_mb, self.samples = 0.0, 0.0, 0
 
     def run(self) -> None:
         import psutil
 
         root = psutil.Process(self.root)
         while not self.stop.wait(self.interval):
-            total = 0.0
+            total = pss = 0.0
+            with_pss = self.samples % self.pss_every == 0
             try:
                 procs = root.children(recursive=True)
             except psutil.Error:
@@ -73,7 +81,9 @@ class RaySampler(threading.Thread):
                     if not title.startswith("ray::"):
                         continue
                     kb = _status_kb(p.pid, "VmRSS", "VmHWM")
-                except (psutil.Error, OSError, ValueError):
+                    if with_pss:
+                        kb["Pss"] = _pss_kb(p.pid)
+                except (psutil.Error, OSError, ValueError, StopIteration):
                     continue
                 # "ray::<actor name>:<Class>.<method>" for a named actor, "ray::<Class>..." otherwise
                 name = title.removeprefix("ray::").split()[0].split(":")[-1].split(".")[0]
@@ -84,7 +94,9 @@ class RaySampler(threading.Thread):
                     seen["actor"] = name
                 seen["peak_rss_mb"] = max(seen["peak_rss_mb"], kb.get("VmHWM", 0) / 1024)
                 total += kb.get("VmRSS", 0) / 1024
+                pss += kb.get("Pss", 0) / 1024
             self.peak_total_mb = max(self.peak_total_mb, total)
+            self.peak_pss_mb = max(self.peak_pss_mb, pss)
             self.samples += 1
 
 
@@ -109,13 +121,14 @@ def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: 
     start, load = time.time(), os.getloadavg()[0]
     with open(os.path.join(root, "pyflyte.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT)
-        sampler = RaySampler(proc.pid, args.interval)
+        sampler = RaySampler(proc.pid, args.interval, args.pss_every)
         sampler.start()
         rc = proc.wait()
         sampler.stop.set()
         sampler.join()
     row = {"model": name, "offload": offload, "sync": args.sync, "seconds": round(time.time() - start, 1), "exit": rc,
-           "peak_total_mb": round(sampler.peak_total_mb), "samples": sampler.samples,
+           "peak_total_mb": round(sampler.peak_total_mb), "peak_total_pss_mb": round(sampler.peak_pss_mb),
+           "samples": sampler.samples,
            "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)]}  # the box's load at the start and the end
     by_actor: dict[str, list[float]] = {}
     for a in sampler.actors.values():
@@ -139,6 +152,7 @@ def main() -> None:
     ap.add_argument("--sync", choices=("live", "store"), default="live", help="sync.method of every run")
     ap.add_argument("--iterations", type=int, default=2, help="loop.iterations of each run")
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between RSS samples")
+    ap.add_argument("--pss-every", type=int, default=4, help="read PSS (smaps_rollup) every N samples")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []
@@ -149,13 +163,14 @@ def main() -> None:
                 rows.append(run_one(name, model_dir, chat, offload, args, workdir))
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\npeak RSS, MB (torch threads 1 per actor; sync.method {args.sync}; {args.iterations} iterations; "
-          "total = peak of the sum over Ray actor processes, sampled; per actor = its VmHWM; sum = the per-actor "
-          "peaks added (the largest process of each actor); max = max(TrainWorker, GenerationWorker))")
+          "total = peak of the sum over Ray actor processes, sampled; pss = the same for PSS (shared pages divided "
+          "among the processes that map them); per actor = its VmHWM; sum = the per-actor peaks added (the largest "
+          "process of each actor); max = max(TrainWorker, GenerationWorker))")
     actors = sorted({a for r in rows for a in r["actors_peak_mb"]})
-    print(f"{'model':8} {'offload':16} {'total':>7} {'sum':>7} {'max':>7} " + " ".join(f"{a:>22}" for a in actors) + f" {'s':>6}")
+    print(f"{'model':8} {'offload':16} {'total':>7} {'pss':>7} {'sum':>7} {'max':>7} " + " ".join(f"{a:>22}" for a in actors) + f" {'s':>6}")
     for r in rows:
         cells = " ".join(f"{'+'.join(map(str, r['actors_peak_mb'].get(a, []))) or '-':>22}" for a in actors)
-        print(f"{r['model']:8} {r['offload']:16} {r['peak_total_mb']:>7} {r['sum_actor_peaks_mb']:>7} {r['max_train_gen_mb']:>7} {cells} {r['seconds']:>6}" + (f"  {r['error']}" if r.get("error") else ""))
+        print(f"{r['model']:8} {r['offload']:16} {r['peak_total_mb']:>7} {r['peak_total_pss_mb']:>7} {r['sum_actor_peaks_mb']:>7} {r['max_train_gen_mb']:>7} {cells} {r['seconds']:>6}" + (f"  {r['error']}" if r.get("error") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -28,6 +28,7 @@ from infra.resources import env_worker_memory_bytes, task_resources
 from tasks.common import check_columns, config_of, stage
 from tasks.pools import generation_pool, rollout_sampling
 from tasks.prompts import EVAL_SEED0, TRAIN_SEED0
+from tasks.streams import ActorStreams
 from tasks.types import PolicyRef, RunSpec
 
 EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for every checkpoint
@@ -89,10 +90,16 @@ class _RemoteEngine:
 def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params, groups_wanted: int | None,
                 keep) -> tuple[list, dict[str, float]]:
     """Every episode its own loop (engines/async_env_manager.py): environments in the env worker
-    pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`."""
+    pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`:
+    by each actor's continuous-batching engine when all can stream (vLLM, tasks/streams.py), else in
+    `generate` calls of up to `rollout.micro_batch` requests (BatchingRouter)."""
     e = cfg.env
     tokenizer = ray.get(workers[0].tokenizer_copy.remote())
-    router = BatchingRouter([_RemoteEngine(w) for w in workers], max_batch=cfg.rollout.micro_batch, policy_version=version)
+    if all(ray.get([w.can_stream.remote() for w in workers])):   # vLLM: continuous batching inside each actor
+        router = ActorStreams(workers)
+    else:
+        router = BatchingRouter([_RemoteEngine(w) for w in workers], max_batch=cfg.rollout.micro_batch,
+                                policy_version=version)
     pool = None
     try:
         pool = RayEnvPool(EnvSpec(e.name, dict(e.kwargs)), workers=e.workers, cpus=e.worker_cpus,

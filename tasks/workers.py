@@ -71,7 +71,7 @@ def generation_worker_kwargs(cfg) -> dict:
             if r.engine == "vllm" else {}}
 
 
-@ray.remote(concurrency_groups={"abort": 1})
+@ray.remote(concurrency_groups={"abort": 1, "stream": 4})
 class GenerationWorker:
     """A generation engine (config `rollout.engine`: `hf` or `vllm`) for rollouts and evaluation.
 
@@ -82,7 +82,12 @@ class GenerationWorker:
     group so it reaches a `generate` call that is running: the engine then stops after its current
     decode step (HF: stops the batch; vLLM: aborts the call's requests in its engine, KV blocks freed;
     rows cut short end with finish_reason "abort"), and the actor is free for the next call at once
-    instead of after the whole discarded chunk."""
+    instead of after the whole discarded chunk.
+
+    With a continuous-batching engine (vLLM) the agentic rollout opens a request stream
+    (`stream_open` .. `stream_close`, engines/request_stream.py): single requests by id, in the
+    `stream` concurrency group, batched by the engine step by step; while it is open, every method
+    that would use the engine directly refuses."""
 
     def __init__(self, threads: int = 1, micro_batch: int = 256, engine: str = "hf", vllm_options: dict | None = None,
                  compile_decode: bool = False, pack_weights: bool = False, devices: dict | None = None):
@@ -97,11 +102,61 @@ class GenerationWorker:
         # called with i after bucket i of a live sync is applied (engines/weight_update.py `receive`): None in
         # a run; tests/test_live_sync.py sets it to stop this actor in the middle of a sync
         self.on_bucket = None
+        self.stream = None   # engines/request_stream.py RequestStream, while the agentic rollout has one open
+
+    def _engine_free(self, what: str) -> None:
+        if self.stream is not None:
+            raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()}: {what} while a request "
+                               "stream is open (the agentic rollout's; it owns the engine until stream_close)")
+
+    def can_stream(self) -> bool:
+        """Whether the engine takes single requests into a running batch (a `StreamingEngine`: vLLM)."""
+        return self.engine is not None and hasattr(self.engine, "add_request")
+
+    def stream_open(self) -> int:
+        """Open the request stream over the engine; returns the policy version its requests are tagged with."""
+        from engines.request_stream import RequestStream
+
+        self._engine_free("stream_open")
+        if not self.can_stream():
+            raise ValueError(f"generation actor {ray.get_runtime_context().get_actor_name()}: engine {self.engine_name!r} "
+                             "takes no single requests (hf batches whole calls: the caller's BatchingRouter)")
+        self.stream = RequestStream(self.engine, policy_version=self.engine.version,
+                                    name=f"generation actor {ray.get_runtime_context().get_actor_name()}")
+        return self.engine.version
+
+    @ray.method(concurrency_group="stream")
+    def stream_submit(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+        self._stream().submit(request_id, prompt_token_ids, params)
+
+    @ray.method(concurrency_group="stream")
+    def stream_cancel(self, request_ids: list[str]) -> None:
+        self._stream().cancel(request_ids)
+
+    @ray.method(concurrency_group="stream")
+    def stream_collect(self, timeout_s: float) -> list:
+        return self._stream().collect(timeout_s)
+
+    @ray.method(concurrency_group="stream")
+    def stream_stats(self):
+        return self._stream().stats()
+
+    def stream_close(self):
+        """Close the stream (requests still in the engine fail, aborted); its final router statistics."""
+        stream, self.stream = self.stream, None
+        return None if stream is None else stream.close()
+
+    def _stream(self):
+        stream = self.stream
+        if stream is None:
+            raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} has no open request stream")
+        return stream
 
     def load(self, spec, key: str, version: int) -> tuple[str, int | None]:
         """Make `key`, policy version `version`, the served policy: first load, or an in-place weight
         update. Returns (how: "cached" / "loaded" / "updated in place", the version the engine reports
         it now serves); tasks/pools.py `generation_pool` refuses a report other than `version`."""
+        self._engine_free(f"load {key}")
         if self.key == key:
             self._wake(["kv_cache"])
             return "cached", self.engine.version     # as the last load or live sync left it
@@ -145,6 +200,7 @@ class GenerationWorker:
 
     def receive_weights(self, key: str) -> int | None:
         """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
+        self._engine_free(f"receive_weights {key}")
         if self.engine is None:
             raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
                                f"(a new actor, started after the last rollout), so it cannot take {key} in place")
@@ -180,6 +236,7 @@ class GenerationWorker:
         that asked (placement.offload_generation); vLLM on CPU, whose sleep is a no-op, then refuses."""
         if self.engine is None:
             return
+        self._engine_free("sleep")
         if setting is not None and getattr(self.engine, "on_cpu", False):
             raise ValueError(f"{setting}: vLLM's sleep mode is GPU only and this vLLM install runs on CPU, so the "
                              "engine would keep its memory; set placement.offload_generation: none, or rollout.engine: hf")
@@ -207,6 +264,7 @@ class GenerationWorker:
     def generate(self, prompt_token_ids: list[list[int]], params, request_id: str | None = None):
         """Completions of every prompt. `request_id`: a name `abort` can stop this call by (both
         engines check the abort event between decode steps)."""
+        self._engine_free("generate")
         if request_id is None:
             return self.engine.generate(prompt_token_ids, params)
         event = self.aborts.setdefault(request_id, threading.Event())  # set already if the abort came first
@@ -229,6 +287,7 @@ class GenerationWorker:
     def episodes(self, env_name: str, seeds: list[int], group_size: int, max_turns: int, max_context_tokens: int, params, env_kwargs: dict,
                  chat: bool = False):
         """Multi-turn episodes with this engine (engines/env_manager.py), one batched generate per turn."""
+        self._engine_free("episodes")
         from engines.env_manager import run_episodes
 
         return run_episodes(self.engine, self.tokenizer, env_name, seeds, group_size=group_size, max_turns=max_turns,
@@ -238,6 +297,7 @@ class GenerationWorker:
                        temperature: float = 1.0, seed: int = 0):
         """Responses to the eval table, greedy or `samples` per prompt (engines/evaluation.py
         generate_responses); the eval task scores them."""
+        self._engine_free("eval_responses")
         from engines.evaluation import generate_responses
 
         return generate_responses(self.engine, self.tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=chat,

@@ -7,6 +7,23 @@ import pytest
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=128)
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance (2 CPUs, the repo on the workers' PYTHONPATH) for a test module, unless one is
+    already running; yields the `ray` module."""
+    import ray
+
+    from tests.support.workflow import REPO
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_policy():
     """(model, tokenizer): a randomly initialised 2-layer, 32-wide char-level Qwen2 (seed 0).

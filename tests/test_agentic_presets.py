@@ -55,16 +55,15 @@ def test_frozenlake_preset_raises_success_and_effective_actions(tmp_path):
 
 
 @pytest.mark.nightly
-@pytest.mark.timeout(3600)
-@pytest.mark.xfail(strict=True, reason="Sokoban does not learn yet: greedy 0.312 -> 0.234 over 8 iterations (docs/agentic.md "
-                                       "'Sokoban'); strict, so a preset that learns shows up as XPASS and this mark goes")
+@pytest.mark.timeout(5400)
 def test_sokoban_preset_raises_greedy_success(tmp_path):
-    """configs/sokoban.yaml as shipped (8 iterations, evaluations at 0, 4 and 8): held-out greedy
-    success rises over iteration 0 by a margin the measured run clears (docs/agentic.md "Sokoban")."""
+    """configs/sokoban.yaml as shipped (12 iterations, evaluations every 4): held-out greedy success at
+    the end rises over iteration 0 by a margin the one measured run cleared (0.312 -> 0.469; it dipped
+    to 0.281 at iteration 8: docs/agentic.md "Sokoban", run D). Not yet seen to pass twice."""
     c, run, cfg = _run(tmp_path, "configs/sokoban.yaml")
     iterations = cfg["loop"]["iterations"]
     greedy = _history(c, run, "eval/greedy/success_rate")
-    assert [s for s, _ in greedy] == [0, 4, iterations], greedy
+    assert [s for s, _ in greedy] == list(range(0, iterations + 1, cfg["loop"]["eval_every"])), greedy
     assert greedy[-1][1] >= greedy[0][1] + MARGIN_SOKOBAN, greedy
     for key in ("eval/success_rate", "eval/greedy/effective_action_rate", "eval/greedy/turns", "env/success_rate"):
         assert _history(c, run, key), key

@@ -16,22 +16,8 @@ from engines.generation import HFGenerationEngine, SamplingParams
 from engines.modeling import build_tiny_policy
 from tests.support.async_envs import fields, lockstep, run_async
 from tests.support.env_faults import FaultyLake
-from tests.support.workflow import REPO
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _pool(factory, workers=2):

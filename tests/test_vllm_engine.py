@@ -474,6 +474,7 @@ def test_generation_worker_in_a_ray_actor(policies, tmp_path, monkeypatch, engin
     store.publish(dir_b, v1, kind="checkpoint", producer="test")
     with generation_actor(tmp_path, monkeypatch, root, engine_name) as (worker, spec):
         assert ray.get(worker.load.remote(spec, v0, 0)) == ("loaded", 0)
+        assert ray.get(worker.can_stream.remote()) == (engine_name == "vllm")   # tasks/agentic.py picks the router by it
         ids = ray.get(worker.encode.remote(PROMPTS, False))
         assert ids == encode(tok, PROMPTS)  # the tokenizer every stage loads, not vLLM's
         n, max_new, stops = 4, 8, ("a", "e", "1", "2", "3")
@@ -532,6 +533,43 @@ def test_generation_worker_abort_stops_a_running_vllm_generate(policies, tmp_pat
         cut = [c for c in out if c.finish_reason == "abort"]
         assert cut and all(len(c.token_ids) < long.max_new_tokens for c in cut)
         assert sum(len(c.token_ids) for c in out) < 64 * 8 * long.max_new_tokens / 4  # stopped early
+
+
+@needs_vllm
+def test_generation_worker_streams_requests_with_vllm(policies, tmp_path, monkeypatch):
+    """The agentic rollout's router over vLLM generation actors (tasks/streams.py `ActorStreams`, the
+    actors' `stream_*` methods, engines/request_stream.py): single greedy requests answered as the
+    actor's continuous router finishes them, equal to a plain `generate` of the same prompts, tagged
+    with the served version; while the stream is open the actor refuses direct engine use; after
+    `close` it generates as before. (`test_generation_worker_in_a_ray_actor`: the HF engine cannot stream.)"""
+    import ray
+
+    from engines.generation import SamplingParams
+    from infra.store import ArtifactStore
+    from tasks.streams import ActorStreams
+
+    root = str(tmp_path / "store")
+    ArtifactStore(root).publish(policies[3], "runs/t/policies/v0007", kind="checkpoint", producer="test")
+    with generation_actor(tmp_path, monkeypatch, root, "vllm") as (worker, spec):
+        assert ray.get(worker.load.remote(spec, "runs/t/policies/v0007", 7)) == ("loaded", 7)
+        assert ray.get(worker.can_stream.remote())
+        ids = ray.get(worker.encode.remote([f"{i}+{i}=" for i in range(12)], False))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        want = ray.get(worker.generate.remote(ids, greedy))
+        router = ActorStreams([worker])
+        try:
+            assert router.policy_version == 7
+            futures = [router.submit(p, greedy) for p in ids]
+            got = [f.result(timeout=120) for f in futures]
+            with pytest.raises(ray.exceptions.RayTaskError, match="generate while a request stream is open"):
+                ray.get(worker.generate.remote(ids, greedy))
+            stats = router.stats()
+        finally:
+            router.close()
+        assert [g.completion.token_ids for g in got] == [c.token_ids for c in want]
+        assert {g.policy_version for g in got} == {7}
+        assert stats.requests == 12 and max(stats.batch_sizes) > 1    # requests shared engine steps
+        assert [c.token_ids for c in ray.get(worker.generate.remote(ids, greedy))] == [c.token_ids for c in want]
 
 
 @needs_vllm

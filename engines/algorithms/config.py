@@ -45,8 +45,11 @@ class AlgorithmConfig(BaseModel):
     )
     gamma: float = Field(
         1.0, ge=0.0, le=1.0,
-        description="Per-token discount for gae, reinforce and reinforce_plus_plus. 1.0 is standard "
-        "for outcome rewards; lower values favour early tokens and shorten the credit horizon.",
+        description="Per-token discount for gae, reinforce and reinforce_plus_plus; for gigpo, the discount "
+        "across turns of the step-level returns. 1.0 is standard for outcome rewards; lower values favour "
+        "early tokens (turns) and shorten the credit horizon. With gigpo at 1.0 a turn that leaves the "
+        "state unchanged (a move into a wall) has the same step return as the move that follows it; "
+        "GiGPO's paper uses 0.95.",
     )
     lam: float = Field(
         1.0, ge=0.0, le=1.0,
