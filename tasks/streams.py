@@ -30,16 +30,19 @@ class ActorStreams:
         if not actors:
             raise ValueError("ActorStreams needs at least one generation actor")
         self.actors = list(actors)
-        opened = [a.stream_open.remote() for a in self.actors]
-        try:
-            versions = ray.get(opened)
-        except BaseException:   # an actor refused: close the streams that did open, so their engines serve again
+        versions, refused = [], None
+        for ref in [a.stream_open.remote() for a in self.actors]:   # every open answered before any close is sent
+            try:
+                versions.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                refused = refused or e
+        if refused is not None:   # an actor refused: close the streams that did open, so their engines serve again
             for a in self.actors:
                 try:
                     ray.get(a.stream_close.remote())
                 except ray.exceptions.RayError:
                     pass
-            raise
+            raise refused
         self._version = min(versions)
         self._lock = threading.Lock()
         self._pending: list[dict[str, Future]] = [{} for _ in self.actors]   # per actor: request id -> future
