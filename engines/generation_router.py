@@ -362,11 +362,16 @@ class ContinuousRouter:
                 run.request.future.set_exception(error)
 
 
+def check_single(params: SamplingParams) -> None:
+    """A routed request asks for one completion (every router's `submit`, tasks/streams.py's too)."""
+    if params.n != 1:
+        raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
+
+
 def _enqueue(router, prompt_token_ids: list[int], params: SamplingParams) -> Future:
     """`submit` of both routers: one completion per request, queued under the router's condition
     (`_cond`, `_queue`, `_closed`) for its serving thread."""
-    if params.n != 1:
-        raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
+    check_single(params)
     future: Future = Future()
     with router._cond:
         if router._closed:

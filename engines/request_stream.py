@@ -48,8 +48,7 @@ class RequestStream:
                     raise ValueError(f"request id {request_id!r} is already running")
                 future = self.router.submit(prompt_token_ids, params)
             except (RuntimeError, ValueError) as e:
-                self._done.append((request_id, None, f"{self.name}: {type(e).__name__}: {e}"))
-                self._cond.notify_all()
+                self._fail(request_id, e)
                 return
             self._futures[request_id] = future
         future.add_done_callback(lambda f, rid=request_id: self._finished(rid, f))
@@ -95,6 +94,13 @@ class RequestStream:
         with self._cond:
             if self._futures.pop(request_id, None) is None:   # cancelled meanwhile
                 return
-            self._done.append((request_id, None, f"{self.name}: {type(error).__name__}: {error}") if error is not None
-                              else (request_id, future.result(), None))
+            if error is not None:
+                self._fail(request_id, error)
+                return
+            self._done.append((request_id, future.result(), None))
             self._cond.notify_all()
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """Record `request_id`'s failure for `collect`, naming this stream; the caller holds `_cond`."""
+        self._done.append((request_id, None, f"{self.name}: {type(error).__name__}: {error}"))
+        self._cond.notify_all()

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import ray
 
 from engines.generation import SamplingParams
-from engines.generation_router import Generated, RouterStats
+from engines.generation_router import Generated, RouterStats, check_single
 
 COLLECT_WAIT_S = 0.5   # how long one stream_collect call waits for a finished request
 
@@ -63,8 +63,7 @@ class ActorStreams:
         return self._version
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> Future[Generated]:
-        if params.n != 1:
-            raise ValueError(f"a routed request asks for one completion; got SamplingParams.n={params.n}")
+        check_single(params)
         future: Future = Future()
         with self._lock:
             if self._closed.is_set():
