@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engines.generation import Completion, GenerationEngine, SamplingParams
+from engines.threads import inherit_threads
 
 SEED_STRIDE = 1009  # seed offset between two calls (BatchingRouter) or two requests (ContinuousRouter)
 
@@ -108,6 +109,7 @@ class BatchingRouter:
         self._cond = threading.Condition()
         self._stats = RouterStats(engines=len(self.engines))
         self._closed = False
+        self._thread_setup = inherit_threads()   # the engines' torch thread count, on the router's threads
         self._threads = [threading.Thread(target=self._serve, args=(k,), daemon=True, name=f"router-{k}")
                          for k in range(len(engines))]
         for t in self._threads:
@@ -171,6 +173,7 @@ class BatchingRouter:
             return batch
 
     def _serve(self, k: int) -> None:
+        self._thread_setup()
         engine = self.engines[k]
         while (batch := self._take_batch()) is not None:
             if not batch:
@@ -224,6 +227,7 @@ class ContinuousRouter:
         self._stats = RouterStats(engines=1)
         self._admitted = 0
         self._closed = False
+        self._thread_setup = inherit_threads()   # the engine's torch thread count, on the router's thread
         self._thread = threading.Thread(target=self._serve, daemon=True, name="router-continuous")
         self._thread.start()
 
@@ -272,6 +276,7 @@ class ContinuousRouter:
 
     # --- the router's thread: the only one that touches the engine ---------------------------------
     def _serve(self) -> None:
+        self._thread_setup()
         while True:
             with self._cond:
                 while not (self._closed or self._queue or self._running or self._idle_jobs):

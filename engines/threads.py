@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 MAX_ENV = "FLYROLL_MAX_TORCH_THREADS"  # an operator's cap for every process of a run (e.g. a shared CI box)
@@ -115,6 +115,22 @@ def set_torch_threads(requested: int | None = None, ray_cpus: float | None = Non
     n = thread_count(requested, ray_cpus)
     torch.set_num_threads(n)
     return n
+
+
+def inherit_threads() -> Callable[[], None]:
+    """A function that gives the thread calling it the torch (OpenMP) thread count of the thread
+    calling this one: for a thread that is about to run an engine another thread set up. OpenMP keeps
+    the count per thread, and a new thread starts from OMP_NUM_THREADS (which Ray sets per actor), not
+    from what the engine's thread was set to -- vLLM's CPU worker sets one OpenMP thread per core it
+    binds, and its CPU attention refuses a step run with another count than the one its metadata was
+    planned with. It sets the count through `torch._C.set_num_threads`, torch's own binding: vLLM's CPU
+    worker replaces `torch.set_num_threads` with a function that only warns. A no-op function when this
+    process has not imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return lambda: None
+    n = torch.get_num_threads()
+    return lambda: torch._C.set_num_threads(n)
 
 
 def child_env(requested: int | None = None, ray_cpus: float | None = None) -> dict[str, str]:

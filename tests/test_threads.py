@@ -3,6 +3,7 @@ the cores a process may use (affinity, cgroup quota, Ray reservation), in every 
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -113,3 +114,43 @@ def test_ray_actor_starts_with_the_passive_policy_and_capped_threads(tmp_path):
     assert seen["OMP_WAIT_POLICY"] == "PASSIVE" and seen["GOMP_SPINCOUNT"] == "0" and seen["KMP_BLOCKTIME"] == "0", seen
     expected = min(2, threads.affinity_cpus())
     assert seen["OMP_NUM_THREADS"] == "2" and seen["torch_threads"] == expected, seen
+
+
+def test_router_threads_run_with_the_engine_threads_count():
+    """vLLM's CPU worker sets its OpenMP thread count on the thread that built the engine (not through
+    torch); a router's thread is new and would start from OMP_NUM_THREADS, and vLLM's CPU attention
+    refuses a step planned with one count and run with another (CI: "thread_num == thread_num (2 vs. 1)").
+    Here libgomp's own omp_set_num_threads(2) under OMP_NUM_THREADS=1 and `torch.set_num_threads`
+    made a no-op, as vLLM leaves them: a plain new thread sees 1; both routers' threads
+    (`inherit_threads`) see 2."""
+    probe = (
+        "import ctypes, threading, torch\n"
+        "from engines.generation import Completion, SamplingParams\n"
+        "from engines.generation_router import BatchingRouter, ContinuousRouter\n"
+        "from tests.support.streaming import ScriptedStreamingEngine\n"
+        "torch.get_num_threads()\n"
+        "gomp = next(p for p in open('/proc/self/maps').read().split() if 'libgomp' in p)\n"
+        "ctypes.CDLL(gomp).omp_set_num_threads(2)\n"
+        "torch.set_num_threads = lambda n: None\n"     # what vLLM's CPU worker leaves after its binding
+        "seen = {'main': torch.get_num_threads()}\n"
+        "t = threading.Thread(target=lambda: seen.update(plain=torch.get_num_threads())); t.start(); t.join()\n"
+        "class Batch:\n"
+        "    def generate(self, prompts, params, abort=None):\n"
+        "        seen['batching'] = torch.get_num_threads()\n"
+        "        return [Completion(i, 0, [1], [0.0], 'length') for i in range(len(prompts))]\n"
+        "class Stream(ScriptedStreamingEngine):\n"
+        "    def step_deltas(self):\n"
+        "        seen['continuous'] = torch.get_num_threads()\n"
+        "        return super().step_deltas()\n"
+        "p = SamplingParams(temperature=0.0, max_new_tokens=2)\n"
+        "for r in (BatchingRouter([Batch()]), ContinuousRouter(Stream())):\n"
+        "    r.submit([2, 5], p).result(timeout=60)\n"
+        "    r.close()\n"
+        "print(seen)\n")
+    env = {**CLEAN, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert seen["main"] == 2 and seen["plain"] == 1, seen     # the trap, in this torch build
+    assert seen["batching"] == 2 and seen["continuous"] == 2, seen
