@@ -148,6 +148,9 @@ def bucket_nbytes(bucket: list[list], dtype: torch.dtype) -> int:
     return align(off + _numel(shape) * torch.empty((), dtype=dtype).element_size())
 
 
+DEATH_GRACE_S = 2.0   # how long a failed sync waits for a same-node engine's exit to show before calling it stuck
+
+
 def _alive(pid: int) -> bool:
     """Whether a process of this node runs (a zombie, killed and not yet reaped, counts as dead)."""
     try:
@@ -336,13 +339,15 @@ class ModelUpdateGroup:
     def _behind(self, s: str, n: int, version: int) -> str:
         """Which engines fell behind: dead (a same-node member whose process is gone) or, across nodes,
         those with the fewest buckets applied (per-bucket counters in the store)."""
-        got, dead = {}, []
+        got = {}
         for r in range(1, self.world_size):
             with contextlib.suppress(Exception):
                 got[r] = self.store.add(f"{s}/progress/{r}", 0)
-            m = self.members[r]
-            if m["host"] == socket.gethostname() and not _alive(m["pid"]):
-                dead.append(r)
+        local = [r for r in range(1, self.world_size) if self.members[r]["host"] == socket.gethostname()]
+        # a killed peer's sockets close while its process is still exiting: give it a moment to be gone
+        deadline = time.monotonic() + (DEATH_GRACE_S if local else 0)
+        while not (dead := [r for r in local if not _alive(self.members[r]["pid"])]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if dead:
             return "; ".join(f"{self._who(r)} is dead after applying {got.get(r, '?')}/{n} buckets of v{version}" for r in dead)
         low = min(got.values(), default=-1)

@@ -9,7 +9,7 @@
 #      thread per process (FLYROLL_MAX_TORCH_THREADS=1) (tests/conftest.py groups the tests by module, SmolLM2 modules together), the
 #      60 slowest tests listed at the end. Meanwhile the optional vLLM environment (.venv-vllm,
 #      infra/vllm_venv.sh) is built in the background (its log: .venv-vllm.log).
-#   4. the vLLM tests in .venv-vllm.
+#   4. the vLLM tests in .venv-vllm, on two xdist workers (the vLLM workflow run beside the engine tests).
 # Each phase's duration is printed at the end, failed or not. Extra arguments go to both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,4 +74,6 @@ wait_vllm() {
     ((rc == 0)) || { tail -n 40 .venv-vllm.log; return "$rc"; }
 }
 phase "wait for .venv-vllm" wait_vllm
-phase "pytest: vLLM tests (.venv-vllm)" bash infra/vllm_venv.sh tests/test_vllm_engine.py -m "slow or not slow" -q "$@"
+# two workers: the vLLM workflow run (its own xdist group) beside the engine tests
+phase "pytest: vLLM tests (.venv-vllm, 2 workers)" bash infra/vllm_venv.sh tests/test_vllm_engine.py -m "slow or not slow" -q \
+    -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 "$@"

@@ -574,6 +574,7 @@ def test_generation_worker_streams_requests_with_vllm(policies, tmp_path, monkey
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_workflow")   # its own group: infra/test.sh runs it beside the engine tests
 def test_workflow_runs_end_to_end_with_engine_vllm(tmp_path):
     """`pyflyte run workflows/rlvr.py rlvr` with rollout.engine: vllm (tests/configs/e2e.yaml, its model
     64 wide for vLLM's CPU attention): one vLLM engine serves every rollout and evaluation of the run,
