@@ -28,7 +28,11 @@ def _run(tmp_path, cfg: dict, timeout: int):
     return proc, c, run
 
 
-@pytest.mark.slow  # a real pyflyte run (~50-90 s): kept out of the default tier
+# nightly since 2026-12-05: .ci/run took 86 min on this box (its limit is 90, its budget 45);
+# 471 s there. CI keeps the mixing, the per-domain scoring and the skipped-row reports in the fast tier
+# (tests/test_datasets.py, tests/test_rewards_domains.py, tests/test_eval_routing.py)
+@pytest.mark.nightly
+@pytest.mark.slow
 def test_mixed_sources_tiny_model(tmp_path):
     good = [{"prompt": f"{i}+1=", "domain": "arithmetic", "answer": str(i + 1)} for i in range(8)]
     lines = [json.dumps(r) for r in good[:4]] + ["not json", json.dumps({"prompt": "", "domain": "x", "answer": "1"}),

@@ -69,6 +69,9 @@ def test_retrain_promotes_a_better_policy_to_champion(first_run):
     assert str(rec["chain"][0]["mlflow"]["model_version"]) == str(new.version)
 
 
+# nightly since 2026-12-05: .ci/run took 86 min on this box (its limit is 90, its budget 45);
+# 121 s there. CI keeps the promoting retrain above (champion alias, lineage through the champion)
+@pytest.mark.nightly
 @pytest.mark.slow
 def test_retrain_keeps_the_champion_when_not_better(first_run):
     tmp, config = first_run
