@@ -9,11 +9,16 @@ that each environment step costs time:
     bubblewrap), as a Python tool call would.
 Lock-step (engines/env_manager.py) steps the live episodes one after another inside its turn loop,
 then generates once for all; async (engines/async_env_manager.py) steps them on ``--env-threads``
-threads (``ThreadEnvPool``) while the router (``BatchingRouter``) batches whatever requests are
-pending. Printed per side: episodes/s and the generation engine's busy share (seconds inside
-``generate`` / wall seconds). Sides alternate, ``--repeats`` times each. Asserts nothing.
+threads (``ThreadEnvPool``) while the router batches whatever requests are pending. The engine
+(``--engines``, each in turn): ``hf`` (engines/generation.py, behind a ``BatchingRouter`` when
+async) or ``vllm`` (engines/vllm_engine.py on the same tiny policy saved to a folder, behind a
+``ContinuousRouter`` when async: requests join vLLM's running batch as they arrive; needs the
+vllm extra, ``bash infra/vllm_venv.sh`` makes its venv). Printed per side: episodes/s and the
+generation engine's busy share (seconds inside ``generate``, or inside vLLM's engine steps, /
+wall seconds). Sides alternate, ``--repeats`` times each. Asserts nothing.
 
     python -m benchmarks.agentic_throughput [--seeds 8] [--group-size 4] [--max-turns 6] [--env-threads 16]
+    .venv-vllm/bin/python -m benchmarks.agentic_throughput --engines hf,vllm
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import math
 import os
 import random
+import tempfile
 import time
 
 import torch
@@ -31,8 +37,8 @@ from engines.env_manager import run_episodes
 from engines.env_workers import EnvSpec, ThreadEnvPool
 from engines.envs import ENVIRONMENTS, make_env
 from engines.generation import HFGenerationEngine, SamplingParams
-from engines.generation_router import BatchingRouter
-from engines.modeling import build_tiny_policy
+from engines.generation_router import BatchingRouter, ContinuousRouter
+from engines.modeling import build_tiny_policy, save_policy
 from engines.sandbox import run_program
 
 
@@ -95,7 +101,10 @@ def lockstep_side(engine, tok, seeds, args, env_kwargs):
 
 
 def async_side(engine, tok, seeds, args, env_kwargs):
-    router = BatchingRouter([engine], max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000)
+    if hasattr(engine, "step_deltas"):   # vLLM: continuous batching, one request at a time into its running batch
+        router = ContinuousRouter(engine)
+    else:
+        router = BatchingRouter([engine], max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000)
     pool = ThreadEnvPool(EnvSpec("slow_frozenlake", env_kwargs), threads=args.env_threads)
     SlowFrozenLake.counter = 0
     try:
@@ -128,38 +137,62 @@ def main(argv=None) -> None:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", default="lognormal,sandbox")
+    p.add_argument("--engines", default="hf", help="comma-separated, each in turn: hf, vllm (the vllm extra)")
     args = p.parse_args(argv)
+    engine_names = args.engines.split(",")
+    unknown = sorted(set(engine_names) - {"hf", "vllm"})
+    if unknown:
+        p.error(f"--engines: unknown {unknown}; choose from hf, vllm")
     torch.set_num_threads(args.torch_threads)
     ENVIRONMENTS["slow_frozenlake"] = SlowFrozenLake   # the benchmark's own environment, by name for both managers
     model, tok = build_tiny_policy(hidden_size=64, num_layers=2, num_heads=2, max_positions=512, seed=0)
-    engine = HFGenerationEngine(model.eval(), tok)
     seeds = list(range(args.seeds))
     print(f"{args.seeds} seeds x G={args.group_size} = {args.seeds * args.group_size} episodes, <= {args.max_turns} turns; "
-          f"tiny policy (64 hidden, 2 layers); torch threads {torch.get_num_threads()}, env threads (async) "
-          f"{args.env_threads}, router max_batch {args.max_batch} max_wait {args.max_wait_ms} ms; cpus {os.cpu_count()}, "
-          f"load {os.getloadavg()[0]:.1f}")
+          f"tiny policy (64 hidden, 2 layers); engines {engine_names}; torch threads {torch.get_num_threads()}, env "
+          f"threads (async) {args.env_threads}, HF router max_batch {args.max_batch} max_wait {args.max_wait_ms} ms; "
+          f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
     rows = []
-    for scenario in args.scenarios.split(","):
-        kw = {"latency": scenario, "median_ms": args.median_ms, "sigma": args.sigma}
-        for r in range(args.repeats):
-            for name, side in (("lock-step", lockstep_side), ("async", async_side)):
-                eps_s, busy, calls, batch, wall = side(engine, tok, seeds, args, kw)
-                rows.append((scenario, name, r, eps_s, busy, calls, batch, wall))
-                print(f"  {scenario:9} {name:9} repeat {r}: {eps_s:6.2f} episodes/s, busy {busy:5.1%}, {wall:6.2f} s",
-                      flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine_name in engine_names:
+            engine = make_engine(engine_name, model, tok, tmp, args)
+            engine.generate([tok.encode("warm-up", add_special_tokens=False)] * 4, sampling(args))   # untimed: first-call costs
+            try:
+                for scenario in args.scenarios.split(","):
+                    kw = {"latency": scenario, "median_ms": args.median_ms, "sigma": args.sigma}
+                    for r in range(args.repeats):
+                        for name, side in (("lock-step", lockstep_side), ("async", async_side)):
+                            eps_s, busy, calls, batch, wall = side(engine, tok, seeds, args, kw)
+                            rows.append((engine_name, scenario, name, r, eps_s, busy, calls, batch, wall))
+                            print(f"  {engine_name:4} {scenario:9} {name:9} repeat {r}: {eps_s:6.2f} episodes/s, "
+                                  f"busy {busy:5.1%}, {wall:6.2f} s", flush=True)
+            finally:
+                if hasattr(engine, "close"):
+                    engine.close()
     print()
-    print("| step latency | manager | episodes/s | engine busy share | generate calls | mean batch | wall s | env threads |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for scenario in args.scenarios.split(","):
-        for name in ("lock-step", "async"):
-            mine = [row for row in rows if row[0] == scenario and row[1] == name]
-            n = len(mine)
-            mean = [sum(row[k] for row in mine) / n for k in range(3, 8)]
-            threads = "0 (in the loop)" if name == "lock-step" else str(args.env_threads)
-            label = (f"lognormal median {args.median_ms:g} ms, sigma {args.sigma:g}" if scenario == "lognormal"
-                     else "sandbox print(1+1)")
-            print(f"| {label} | {name} | {mean[0]:.2f} | {mean[1]:.1%} | {mean[2]:.0f} | {mean[3]:.1f} | {mean[4]:.2f} | "
-                  f"{threads} |")
+    print("| engine | step latency | manager | episodes/s | engine busy share | generate calls (async vLLM: engine steps) | mean batch "
+          "| wall s | env threads |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for engine_name in engine_names:
+        for scenario in args.scenarios.split(","):
+            for name in ("lock-step", "async"):
+                mine = [row for row in rows if row[:3] == (engine_name, scenario, name)]
+                mean = [sum(row[k] for row in mine) / len(mine) for k in range(4, 9)]
+                threads = "0 (in the loop)" if name == "lock-step" else str(args.env_threads)
+                label = (f"lognormal median {args.median_ms:g} ms, sigma {args.sigma:g}" if scenario == "lognormal"
+                         else "sandbox print(1+1)")
+                print(f"| {engine_name} | {label} | {name} | {mean[0]:.2f} | {mean[1]:.1%} | {mean[2]:.0f} | {mean[3]:.1f} "
+                      f"| {mean[4]:.2f} | {threads} |")
+
+
+def make_engine(name: str, model, tok, tmp: str, args):
+    """The HF engine on the tiny policy in memory, or vLLM on the same weights saved to a folder
+    (float32, as the HF engine; one request seed per call)."""
+    if name == "hf":
+        return HFGenerationEngine(model.eval(), tok)
+    from engines.vllm_engine import VLLMGenerationEngine
+
+    path = save_policy(model, tok, os.path.join(tmp, "policy"))
+    return VLLMGenerationEngine(path, max_model_len=args.max_context + 16, kv_cache_gb=1, seed=0)
 
 
 if __name__ == "__main__":

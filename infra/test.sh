@@ -74,6 +74,6 @@ wait_vllm() {
     ((rc == 0)) || { tail -n 40 .venv-vllm.log; return "$rc"; }
 }
 phase "wait for .venv-vllm" wait_vllm
-# two workers: the vLLM workflow run (its own xdist group) beside the engine tests
+# two workers: the vLLM workflow runs (RLVR, then agentic; their own xdist group) beside the engine tests
 phase "pytest: vLLM tests (.venv-vllm, 2 workers)" bash infra/vllm_venv.sh tests/test_vllm_engine.py -m "slow or not slow" -q \
     -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 "$@"

