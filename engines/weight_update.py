@@ -91,7 +91,7 @@ def gathered(t: torch.Tensor):
     own group: every training rank must enter it in the same order, `gather_only` on ranks > 0)."""
     if hasattr(t, "full_tensor"):              # FSDP2 / DTensor
         yield t.full_tensor().detach()
-    elif hasattr(t, "ds_id"):                  # DeepSpeed ZeRO-3 (code path present, not tested here)
+    elif hasattr(t, "ds_id"):                  # DeepSpeed ZeRO-3
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([t], modifier_rank=None):

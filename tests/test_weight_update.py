@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import os
 import signal
 import socket
@@ -200,29 +201,45 @@ def test_a_receiver_killed_mid_sync_is_a_clear_error_not_a_hang():
     assert procs[1].exitcode == -signal.SIGKILL
 
 
-def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False):
-    """Training rank `rank` of 2: the tiny model sharded by the project's FSDP2 strategy (torch
-    `fully_shard`, gloo on CPU), each rank's shards moved in place (as an optimizer step moves them).
+def local_shard(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded parameter: an FSDP2 DTensor's local tensor, a ZeRO-3 partition."""
+    return p.to_local() if hasattr(p, "to_local") else p.ds_tensor
+
+
+def is_half(p: torch.Tensor) -> bool:
+    """Whether this rank holds less than the whole parameter (and the module's own tensor is no copy of it)."""
+    if type(p).__name__ == "DTensor":
+        return p.to_local().numel() < p.numel()
+    return hasattr(p, "ds_tensor") and p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel
+
+
+def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False, strategy_name="fsdp2"):
+    """Training rank `rank` of 2: the tiny model sharded by one of the project's strategies (`fsdp2`:
+    torch `fully_shard`; `deepspeed_zero3`: every parameter partitioned, none kept whole by the
+    persistence threshold; gloo on CPU), each rank's shards moved in place (as an optimizer step moves them).
     Rank 0 sends through the update group, rank 1 takes part in its per-parameter gathers
     (`gather_only`); each reports whether every parameter was sharded, rank 0 also the digests of the
     full weights (`full_state_dict`, a collective of both ranks) and the sync's bucket count.
     `refuse_first`: a sync the engine refuses (bf16 to its float32 weights) comes first; rank 0's send
     raises, and still makes the gathers rank 1's `gather_only` waits for, so both go on to the next."""
     try:
-        from engines.strategies import FSDP2Strategy, init_distributed
+        from engines.strategies import init_distributed, make_strategy
         from engines.weight_update import gather_only
 
         torch.set_num_threads(1)
         init_distributed(rank, 2, "127.0.0.1", dist_port, backend="gloo")
-        strategy = FSDP2Strategy()
-        model, _ = strategy.prepare(build_tiny_policy(**TINY, seed=0)[0], lambda ps: torch.optim.AdamW(ps, lr=1e-3), 1.0)
+        kwargs = ({"config_overrides": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
+                  if strategy_name.startswith("deepspeed") else {})
+        strategy = make_strategy(strategy_name, **kwargs)
+        model = build_tiny_policy(**TINY, seed=0)[0]
+        strategy.prepare(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), 1.0)  # the plain module, as TrainWorker sends
         with torch.no_grad():
             for p in model.parameters():
-                p.to_local().mul_(-0.5)
-        sharded = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in model.parameters())
+                local_shard(p).mul_(-0.5)
+        sharded = all(is_half(p) for p in model.parameters())
         full = strategy.full_state_dict()
         if rank == 0:
-            group = ModelUpdateGroup("127.0.0.1", group_port, 2, 0, timeout_s=20, member="fsdp2 rank 0")
+            group = ModelUpdateGroup("127.0.0.1", group_port, 2, 0, timeout_s=20, member=f"{strategy_name} rank 0")
             if refuse_first:
                 with pytest.raises(ValueError, match="refused before any byte moved"):
                     group.send(model.named_parameters(), version=6, dtype="bfloat16", bucket_bytes=BUCKET)
@@ -241,9 +258,19 @@ def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False):
         leave.wait(WAIT)
 
 
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.parametrize("strategy_name", [
+    "fsdp2",
+    # slow: DeepSpeed builds its CPU communication op on first use (~90 s, cached in TORCH_EXTENSIONS_DIR)
+    pytest.param("deepspeed_zero3", marks=[pytest.mark.slow, pytest.mark.skipif(
+        not HAS_DEEPSPEED, reason="DeepSpeed is not installed: pip install -e '.[deepspeed]'")]),
+])
 @pytest.mark.parametrize("refuse_first", [False, True], ids=["one-sync", "after-a-refused-sync"])
-def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_equal(refuse_first):
-    """Two FSDP2 training ranks (every parameter a DTensor holding half of it) and one fp32 engine:
+def test_a_sharded_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_equal(refuse_first, strategy_name):
+    """Two sharded training ranks (FSDP2: every parameter a DTensor holding half of it; ZeRO-3: every
+    parameter an empty placeholder beside its half partition) and one fp32 engine:
     rank 0 sends, gathering one parameter at a time as each bucket fills, while rank 1 joins those
     gathers in the same order (`gather_only`); the engine then holds the full weights bit for bit: the
     trainer's own gathered state dict, and the unsharded model with the same change. After a refused
@@ -254,7 +281,8 @@ def test_a_sharded_fsdp2_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitw
     # Ray threads holding locks at the fork) hung in its process-group start-up in CI
     ctx = mp.get_context("spawn")
     tq, leave = ctx.Queue(), ctx.Event()
-    trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave, refuse_first), daemon=True)
+    trainers = [ctx.Process(target=sharded_trainer, args=(r, dist_port, port, tq, leave, refuse_first, strategy_name),
+                            daemon=True)
                 for r in (0, 1)]
     for p in trainers:
         p.start()
