@@ -73,7 +73,7 @@ class SyncReport:
     tensors: int
     bytes: int                      # payload bytes sent (wire dtype)
     seconds: float
-    gathered_peak_bytes: int = 0    # the largest full tensor a gather materialised (0: nothing was sharded)
+    gathered_peak_bytes: int = 0    # the largest full tensor a gather materialised (0: nothing was partitioned)
 
 
 def align(n: int) -> int:
@@ -103,6 +103,13 @@ def gathered(t: torch.Tensor):
 def is_shard(t: torch.Tensor) -> bool:
     """Whether `t` is one rank's shard of a parameter (FSDP2 DTensor, ZeRO-3) that `gathered` gathers."""
     return hasattr(t, "full_tensor") or hasattr(t, "ds_id")
+
+
+def is_partial(t: torch.Tensor) -> bool:
+    """Whether gathering `t` materialises a full tensor this rank did not hold: every FSDP2 DTensor; a
+    ZeRO-3 parameter only while partitioned (DeepSpeed keeps one under `stage3_param_persistence_threshold`
+    elements whole on every rank, and leaves an empty placeholder in place of a partitioned one)."""
+    return hasattr(t, "full_tensor") or (hasattr(t, "ds_id") and t.numel() == 0)
 
 
 def gather_only(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -293,9 +300,10 @@ class ModelUpdateGroup:
                 view = buf[:n]
                 # (alignment gaps keep whatever bytes they held: both sides checksum the same bytes)
                 for name, slot in unpack(view, bucket, wire):
+                    partial = is_partial(by_name[name])                   # (before the gather makes it whole)
                     with gathered(by_name[name]) as full:                 # one parameter gathered at a time
                         self._gathers += 1
-                        if is_shard(by_name[name]):
+                        if partial:
                             peak = max(peak, full.numel() * full.element_size())
                         slot.copy_(full)                                  # cast to the wire dtype
                 sums += checksum(view)
