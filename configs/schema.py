@@ -219,6 +219,7 @@ class TrainingConfig(_Section):
     mini_batch_size: int = Field(256, ge=1, description="Samples per optimizer step. Smaller = more (more off-policy) updates per iteration.")
     max_tokens_per_micro_batch: int = Field(8192, ge=16, description="Padded tokens per forward/backward (gradient accumulation by token count). Memory knob only; the update does not depend on it.")
     strategy: Literal["torch", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field("torch", description="How the actor (and critic) are trained across `num_workers` processes (engines/strategies.py): 'torch' = one process, no wrapping (the default, fastest for tiny models); 'ddp' = DistributedDataParallel, a full replica per worker, gradients all-reduced; 'fsdp2' = torch fully_shard (ZeRO-3-like: parameters, gradients and optimizer state sharded, parameters gathered per block in each forward); 'deepspeed_zero2' / 'deepspeed_zero3' = DeepSpeed ZeRO stage 2 (optimizer state + gradients sharded) / 3 (parameters too), needs the `deepspeed` extra. Same config, same data, same losses up to float rounding; sharding trades communication for memory.")
+    zero_optimization: dict = Field(default_factory=dict, description="DeepSpeed `zero_optimization` entries for the deepspeed strategies, merged into the config engines/strategies.py builds, e.g. {stage3_param_persistence_threshold: 0, reduce_bucket_size: 50000000}. DeepSpeed's own defaults otherwise: notably ZeRO-3 keeps every parameter under 1e5 elements (stage3_param_persistence_threshold) whole on each rank. Each name and value is checked against DeepSpeed's config model at load (where DeepSpeed is installed) and again when the trainer starts; `stage` is refused (it comes from `strategy`), and so is any entry with a strategy that is not deepspeed_zero2/3.")
     compile: bool = Field(False, description="torch.compile each of the actor's decoder layers for the update (engines/training.py compile_decoder_layers; for GPUs; strategy 'torch' only). The update then runs every row's prompt (a KV cache through compiled layers recompiles per layer, so no shared prefix). On an H200 the GRPO step of a Qwen2.5-0.5B shape went from 27.8% to 39.0% MFU, and beat the eager shared-prefix update on groups of 8 samples by 1.28-1.48x (docs/benchmarks.md). The first update compiles (a few seconds there). Keep it off on CPU: on 2 cores a SmolLM2-shaped update took 12.8 s compiled against 14.0 s eager with plain forwards and 8.9 s with the default shared prefix.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters for the actor instead of full fine-tuning (rank 0 = off). The critic is always fully trained.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face gradient_checkpointing_enable, non-reentrant) for the actor. Trade-off: activation memory drops from every layer's to about one layer's, for roughly one more forward per micro-batch (~30% more compute); the update then runs every row's prompt (no shared prefix).")
@@ -397,6 +398,12 @@ class FlyrollConfig(_Section):
 
             if importlib.util.find_spec("deepspeed") is None:
                 raise ValueError(f"training.strategy={self.training.strategy!r} needs DeepSpeed, which is not installed: pip install 'flyroll[deepspeed]'")
+            from engines.strategies import check_zero_optimization
+
+            check_zero_optimization(self.training.zero_optimization)
+        elif self.training.zero_optimization:
+            raise ValueError(f"training.zero_optimization={self.training.zero_optimization} is for the deepspeed strategies; "
+                             f"training.strategy is {self.training.strategy!r}: remove it or choose deepspeed_zero2/3")
 
         bad = [d for d in self.data.domains if d not in DOMAINS]
         if bad:

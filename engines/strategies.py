@@ -273,6 +273,29 @@ class FSDP2Strategy(_Distributed):
         set_optimizer_state_dict(self.model, optimizer, sd, options=StateDictOptions(full_state_dict=True))
 
 
+def check_zero_optimization(entries: dict, field: str = "training.zero_optimization") -> None:
+    """Refuse DeepSpeed `zero_optimization` entries flyroll sets itself (`stage`: the strategy's name) and,
+    where DeepSpeed is installed, any it does not know or whose value it rejects (its own config model,
+    which forbids unknown names), naming `field` and the entry."""
+    if "stage" in entries:
+        raise ValueError(f"{field}.stage: the ZeRO stage comes from training.strategy (deepspeed_zero2 / deepspeed_zero3); "
+                         "remove it here")
+    if not entries:
+        return
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:
+        return  # the strategy refuses to start without DeepSpeed (DEEPSPEED_INSTALL)
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**entries)
+    except ValidationError as e:
+        wrong = "; ".join(f"{field}.{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err.get('input')!r})"
+                          for err in e.errors())
+        raise ValueError(f"DeepSpeed refuses {wrong}") from None
+
+
 class DeepSpeedStrategy(_Distributed):
     """DeepSpeed ZeRO stage 2 or 3 around a torch AdamW (`zero_allow_untested_optimizer`, so no
     DeepSpeed optimizer op is compiled). DeepSpeed clips (`gradient_clipping`) and steps at the
@@ -291,6 +314,7 @@ class DeepSpeedStrategy(_Distributed):
             import deepspeed
         except ImportError as e:
             raise ImportError(f"training.strategy {self.name!r} needs DeepSpeed: {DEEPSPEED_INSTALL}") from e
+        check_zero_optimization({k: v for k, v in self.overrides.get("zero_optimization", {}).items() if k != "stage"})
         self.model, self.grad_clip = model.to(self.device), grad_clip
         config = {
             "train_micro_batch_size_per_gpu": 1,    # batch sizes are the engine's business; unused here

@@ -479,9 +479,10 @@ class TrainWorker:
         base_dir = fetch_cached(spec, self.lora_base, skip=TRAINING_ONLY) if resume_lora else model_dir
         self.model, self.tokenizer = load_policy(base_dir)  # float32: the master weights
         self.model.to(device)
-        strategy = training.strategy
+        strategy, zero = training.strategy, dict(training.zero_optimization)
+        strategy_options = {"config_overrides": {"zero_optimization": zero}} if strategy.startswith("deepspeed") else {}
         opt = dict(weight_decay=training.weight_decay, grad_clip=training.grad_clip, warmup_steps=training.warmup_steps)
-        self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy),
+        self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy, **strategy_options),
                                        compile=training.compile, compute_dtype=dtype, lora=lora,
                                        gradient_checkpointing=training.gradient_checkpointing, **opt)
         if not state and is_run_key(key):  # a run's own version without it: pruned
@@ -499,7 +500,7 @@ class TrainWorker:
 
             critic_device, critic_dtype = _placed(self.devices, "critic")
             self.critic_engine = TorchCriticEngine(critic_for_checkpoint(model_dir).to(critic_device), lr=algorithm.critic_lr,
-                                                   strategy=make_strategy(strategy), compute_dtype=critic_dtype, **opt)
+                                                   strategy=make_strategy(strategy, **strategy_options), compute_dtype=critic_dtype, **opt)
             if "critic" in state:
                 self.critic_engine.load_state_dict(state["critic"])
         self.key = key

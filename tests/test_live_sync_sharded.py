@@ -6,7 +6,7 @@ test of the same is tests/test_weight_update.py (spawned processes, no Ray; FSDP
 ZeRO-3 in the slow one).
 
 Nightly tier: 84 s here at load ~3 (FSDP2 alone), 128-169 s at load 8-15 on the shared 2-core box;
-both strategies 221 s beside a CI run (2026-12-05): almost all of it Ray's start and the three
+the three cases 94 s on a quiet box (2026-12-05): almost all of it Ray's start and the three
 actors' start-up and first load (the two syncs take ~0.1-0.4 s), above the slow tier's ~60 s budget."""
 
 from __future__ import annotations
@@ -50,13 +50,18 @@ def _split(worker) -> dict:
     return ray.get(worker.__ray_call__.remote(split))
 
 
+NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                  reason="DeepSpeed is not installed: pip install -e '.[deepspeed]'")
+
+
 @pytest.mark.nightly
-@pytest.mark.parametrize("strategy", [
-    "fsdp2",
-    pytest.param("deepspeed_zero3", marks=pytest.mark.skipif(
-        importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed: pip install -e '.[deepspeed]'")),
+@pytest.mark.parametrize("strategy,zero", [
+    ("fsdp2", {}),
+    pytest.param("deepspeed_zero3", {}, marks=NO_DEEPSPEED, id="deepspeed_zero3"),
+    # training.zero_optimization reaches the trainer: with no persistence threshold every parameter is partitioned
+    pytest.param("deepspeed_zero3", {"stage3_param_persistence_threshold": 0}, marks=NO_DEEPSPEED, id="deepspeed_zero3-threshold0"),
 ])
-def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tmp_path, monkeypatch, strategy):
+def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tmp_path, monkeypatch, strategy, zero):
     """Iteration 1 (a version not published: write=False): the step gathers nothing and keeps nothing
     (rank 0's `sync_weights` is None); the sync gathers per parameter: the largest full tensor held at
     once is one parameter, not the model. A refused sync (a dtype the engine does not hold) still makes
@@ -76,16 +81,16 @@ def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tm
     from tests.support.training import _scored_table
 
     root, run = str(tmp_path / "store"), "sharded"
-    # ZeRO-3 keeps a parameter under its persistence threshold (1e5 elements) whole on every rank: at
-    # hidden 192 the MLP's matrices (192 x 576) are over it and partitioned, the rest stays whole
-    model, tok = build_tiny_policy(hidden_size=128 if strategy == "fsdp2" else 192, seed=0)
+    # ZeRO-3 keeps a parameter under its persistence threshold (default 1e5 elements) whole on every rank:
+    # at hidden 192 the MLP's matrices (192 x 576) are over it and partitioned, the rest stays whole
+    model, tok = build_tiny_policy(hidden_size=192 if strategy.startswith("deepspeed") and not zero else 128, seed=0)
     ArtifactStore(root).publish(save_policy(model, tok, str(tmp_path / "v0")), f"runs/{run}/policy/v0000",
                                 kind="checkpoint", producer="test")
     table = _scored_table(model, tok)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     cfg = parse_config({"run": {"torch_threads": 1}, "rollout": {"num_workers": 1},
-                        "training": {"strategy": strategy, "num_workers": 2, "mini_batch_size": 15,
+                        "training": {"strategy": strategy, "num_workers": 2, "zero_optimization": zero, "mini_batch_size": 15,
                                      "max_tokens_per_micro_batch": 400},
                         "sync": {"method": "live", "bucket_mb": 1, "timeout_s": 60}})
     spec = RunSpec(cfg.to_json(), cfg.hash(), run, root, "", "")
@@ -111,7 +116,7 @@ def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tm
         split = _split(workers[1])
         # really sharded over the two ranks: FSDP2 splits every parameter, ZeRO-3 the ones over its threshold
         big = {k for k, v in model.named_parameters() if v.numel() > 100_000}
-        assert all(split.values()) if strategy == "fsdp2" else (big and {k for k, v in split.items() if v} == big), split
+        assert all(split.values()) if strategy == "fsdp2" or zero else (big and {k for k, v in split.items() if v} == big), split
         assert _sync_state(workers[0]) == (False, False) and _sync_state(workers[1]) == (False, False)
         report = live_sync(spec, cfg, workers, 1, key[1])
         shapes = [(k, tuple(v.shape)) for k, v in model.named_parameters()]

@@ -279,6 +279,28 @@ def test_strategy_config_errors_name_the_field():
         parse_config({"placement": {"actor_train": {"memory": "12GB"}}})
 
 
+def test_zero_optimization_entries_are_checked_at_load_naming_the_entry():
+    """training.zero_optimization: refused with a strategy that is not DeepSpeed, refused for `stage` (the
+    strategy names it), and every name and value checked against DeepSpeed's own config model, so a
+    misspelt entry is an error at load, not a setting DeepSpeed never reads."""
+    with pytest.raises(ConfigError, match=r"training.zero_optimization=\{'reduce_bucket_size': 1000\} is for the deepspeed "
+                                          r"strategies; training.strategy is 'fsdp2'"):
+        parse_config({"training": {"strategy": "fsdp2", "num_workers": 2, "zero_optimization": {"reduce_bucket_size": 1000}}})
+    if not HAS_DEEPSPEED:
+        pytest.skip(NO_DEEPSPEED)
+    ds = {"strategy": "deepspeed_zero3", "num_workers": 2}
+    with pytest.raises(ConfigError, match="training.zero_optimization.stage: the ZeRO stage comes from training.strategy"):
+        parse_config({"training": {**ds, "zero_optimization": {"stage": 2}}})
+    with pytest.raises(ConfigError, match=r"training.zero_optimization.stage3_param_persistence_threshol: Extra inputs are "
+                                          r"not permitted \(got 0\)"):
+        parse_config({"training": {**ds, "zero_optimization": {"stage3_param_persistence_threshol": 0}}})
+    with pytest.raises(ConfigError, match=r"training.zero_optimization.reduce_bucket_size: .* \(got -5\)"):
+        parse_config({"training": {**ds, "zero_optimization": {"reduce_bucket_size": -5}}})
+    cfg = parse_config({"training": {**ds, "zero_optimization": {"stage3_param_persistence_threshold": 0}}})
+    assert cfg.training.zero_optimization == {"stage3_param_persistence_threshold": 0}
+    assert cfg.hash() != parse_config({"training": ds}).hash()
+
+
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_default_placement_keeps_the_profile(monkeypatch, profile):
     from infra import resources as r
