@@ -37,7 +37,7 @@ from engines.env_manager import run_episodes
 from engines.env_workers import EnvSpec, ThreadEnvPool
 from engines.envs import ENVIRONMENTS, make_env
 from engines.generation import HFGenerationEngine, SamplingParams
-from engines.generation_router import BatchingRouter, ContinuousRouter
+from engines.generation_router import BatchingRouter, ContinuousRouter, is_streaming
 from engines.modeling import build_tiny_policy, save_policy
 from engines.sandbox import run_program
 
@@ -101,7 +101,7 @@ def lockstep_side(engine, tok, seeds, args, env_kwargs):
 
 
 def async_side(engine, tok, seeds, args, env_kwargs):
-    if hasattr(engine, "step_deltas"):   # vLLM: continuous batching, one request at a time into its running batch
+    if is_streaming(engine):   # vLLM: continuous batching, one request at a time into its running batch
         router = ContinuousRouter(engine)
     else:
         router = BatchingRouter([engine], max_batch=args.max_batch, max_wait_s=args.max_wait_ms / 1000)

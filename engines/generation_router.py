@@ -86,6 +86,12 @@ class StreamingEngine(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
+def is_streaming(engine) -> bool:
+    """Whether `engine` takes single requests into a running batch (a `StreamingEngine`: vLLM), so a
+    ``ContinuousRouter`` serves it; otherwise it batches whole calls (a ``BatchingRouter``)."""
+    return hasattr(engine, "add_request")
+
+
 @dataclass(eq=False)
 class _Request:
     prompt: list[int]

@@ -314,7 +314,7 @@ class DeepSpeedStrategy(_Distributed):
             import deepspeed
         except ImportError as e:
             raise ImportError(f"training.strategy {self.name!r} needs DeepSpeed: {DEEPSPEED_INSTALL}") from e
-        check_zero_optimization({k: v for k, v in self.overrides.get("zero_optimization", {}).items() if k != "stage"})
+        check_zero_optimization(self.overrides.get("zero_optimization", {}))
         self.model, self.grad_clip = model.to(self.device), grad_clip
         config = {
             "train_micro_batch_size_per_gpu": 1,    # batch sizes are the engine's business; unused here

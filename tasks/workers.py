@@ -111,7 +111,9 @@ class GenerationWorker:
 
     def can_stream(self) -> bool:
         """Whether the engine takes single requests into a running batch (a `StreamingEngine`: vLLM)."""
-        return self.engine is not None and hasattr(self.engine, "add_request")
+        from engines.generation_router import is_streaming
+
+        return self.engine is not None and is_streaming(self.engine)
 
     def stream_open(self) -> int:
         """Open the request stream over the engine; returns the policy version its requests are tagged with."""

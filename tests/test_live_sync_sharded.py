@@ -37,17 +37,11 @@ def _engine_weights(gen) -> tuple:
 
 
 def _split(worker) -> dict:
-    """Per parameter of a training actor's model, whether this rank holds less than all of it (an FSDP2
-    DTensor's local shard; a ZeRO-3 partition beside an empty placeholder)."""
-    def split(w):
-        out = {}
-        for name, p in w.engine.model.named_parameters():
-            if type(p).__name__ == "DTensor":
-                out[name] = p.to_local().numel() < p.numel()
-            else:
-                out[name] = hasattr(p, "ds_tensor") and p.numel() == 0 and p.ds_tensor.numel() < p.ds_numel
-        return out
-    return ray.get(worker.__ray_call__.remote(split))
+    """Per parameter of a training actor's model, whether this rank holds less than all of it
+    (tests/support/training.py `is_half`)."""
+    from tests.support.training import is_half
+
+    return ray.get(worker.__ray_call__.remote(lambda w: {n: is_half(p) for n, p in w.engine.model.named_parameters()}))
 
 
 NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

@@ -206,13 +206,6 @@ def local_shard(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p.ds_tensor
 
 
-def is_half(p: torch.Tensor) -> bool:
-    """Whether this rank holds less than the whole parameter (and the module's own tensor is no copy of it)."""
-    if type(p).__name__ == "DTensor":
-        return p.to_local().numel() < p.numel()
-    return hasattr(p, "ds_tensor") and p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel
-
-
 def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False, strategy_name="fsdp2"):
     """Training rank `rank` of 2: the tiny model sharded by one of the project's strategies (`fsdp2`:
     torch `fully_shard`; `deepspeed_zero3`: every parameter partitioned, none kept whole by the
@@ -225,6 +218,7 @@ def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False, s
     try:
         from engines.strategies import init_distributed, make_strategy
         from engines.weight_update import gather_only
+        from tests.support.training import is_half
 
         torch.set_num_threads(1)
         init_distributed(rank, 2, "127.0.0.1", dist_port, backend="gloo")

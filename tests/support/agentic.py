@@ -7,7 +7,7 @@ import subprocess
 
 import yaml
 
-from tests.support.workflow import PYFLYTE, REPO, _env
+from tests.support.workflow import PYFLYTE, REPO, _env, _mlflow
 
 
 def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
@@ -15,10 +15,7 @@ def _run(tmp_path, preset: str, ray_mode: str = "shared", **overrides):
     asserts it succeeded. Returns (MLflow client, the run, the config)."""
     proc, cfg = _launch(tmp_path, preset, ray_mode, **overrides)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    (run,) = [r for r in c.search_runs([c.get_experiment_by_name("flyroll").experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    c, run = _mlflow(tmp_path)
     return c, run, cfg
 
 

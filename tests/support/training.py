@@ -1,5 +1,6 @@
 """A scored rollout table, the columns the training path reads (tests/test_strategies.py,
-tests/test_lora.py, tests/test_devices.py)."""
+tests/test_lora.py, tests/test_devices.py), and whether a rank holds only part of a sharded parameter
+(tests/test_weight_update.py, tests/test_live_sync_sharded.py)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def _scored_table(model, tok, groups: int = 5, per_group: int = 3):
                      "old_logprobs": old[i, : len(r)].tolist(), "ref_logprobs": ref[i, : len(r)].tolist(),
                      "behaviour_logprobs": old[i, : len(r)].tolist(), "values": (0.1 * old[i, : len(r)]).tolist()})
     return pd.DataFrame(rows)
+
+
+def is_half(p) -> bool:
+    """Whether this rank holds less than the whole parameter: an FSDP2 DTensor's local shard, or a ZeRO-3
+    partition beside the empty placeholder DeepSpeed leaves in the module (not one it keeps whole)."""
+    if type(p).__name__ == "DTensor":
+        return p.to_local().numel() < p.numel()
+    return hasattr(p, "ds_tensor") and p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel
