@@ -1,23 +1,26 @@
 """Peak host memory (RSS) of the pipeline with colocated generation engines asleep between rollouts
 (`placement.offload_generation`), the trainer's state offloaded while they run
 (`placement.offload_train`) and the reference's models dropped between its forwards
-(`placement.offload_reference`), against the same pipeline with everything resident.
+(`placement.offload_reference`), and with the three roles in one process per training worker
+(`placement.hybrid`, tasks/hybrid.py), against the same pipeline with everything resident.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.colocation_memory --models tiny,smollm2 --iterations 2 \
-        --offload none,weights,weights:all:ref
+        --offload none,weights,weights:all:ref,weights:all:ref:hybrid
 
 Per model (`tiny`: the default policy's shape, random init; `smollm2`: SmolLM2-135M-Instruct, as
 `flyroll bench` prepares them, benchmarks/bench.py) it runs the real workflow (`pyflyte run
 workflows/rlvr.py rlvr`, the shared local Ray instance, hf engine, the bench pipeline's settings:
 B x G = 8 x 8, 32 new tokens, benchmarks/bench_pipeline.py `pipeline_config`) once per
-`--offload` row, one after the other: `GEN[:TRAIN[:ref]]` = offload_generation, offload_train
-(default none) and, with `ref`, offload_reference true. Every config has `placement.colocate:
+`--offload` row, one after the other: `GEN[:TRAIN[:FLAG...]]` = offload_generation, offload_train
+(default none) and, with `ref`, offload_reference true, with `hybrid`, placement.hybrid true (one
+HybridWorker process hosts what TrainWorker, GenerationWorker and ReferenceWorker host apart). Every config has `placement.colocate:
 [[actor_train, actor_infer, reference]]`, `sync.method` from `--sync` (live by default) and one torch thread per actor
 (`run.torch_threads: 1`, OMP_NUM_THREADS=1). While each runs, every Ray worker process under the
 pyflyte process is sampled every `--interval` s: its peak RSS (VmHWM, exact) per actor, and the
 peak of the sum of their RSS (sampled), which is what the host must hold at once. Beside it: the
 sum of the per-actor peaks (what separate devices, one per actor, would need in all) and
-max(TrainWorker, GenerationWorker) peak (the colocation ideal, max(train, generate)).
+max(TrainWorker, GenerationWorker) peak (the colocation ideal, max(train, generate); in a hybrid row
+the HybridWorker's peak, which holds both).
 
 On one CPU host a disaggregated placement (no colocate group) runs exactly the same processes as
 `offload none` (the local shared Ray reserves no CPUs; config-wise colocation only changes Ray's
@@ -27,6 +30,8 @@ need its own actors' peak (the per-actor columns). RSS counts shared library pag
 every row. The `pss` column is the peak of the summed PSS (`/proc/<pid>/smaps_rollup`: each shared
 page divided among the processes that map it), the memory the actors really hold at once; it is
 read every `--pss-every` samples, since smaps_rollup walks the page tables (a few ms per GB).
+Each row also records what its run logged per iteration (`RESULT_KEYS`: policy loss, entropy, grad
+norm, KL, reward, eval accuracy), and the end says whether every row of a model logged the same.
 """
 
 from __future__ import annotations
@@ -101,12 +106,26 @@ class RaySampler(threading.Thread):
 
 
 def placement(row: str) -> dict:
-    """The placement section of an `--offload` row, GEN[:TRAIN[:ref]]."""
-    gen, train, ref = (row.split(":") + ["none", ""])[:3]
-    if ref not in ("", "ref"):
-        raise SystemExit(f"--offload row {row!r}: the third part is 'ref' or nothing")
+    """The placement section of an `--offload` row, GEN[:TRAIN[:FLAG...]] with flags `ref` and `hybrid`."""
+    gen, train, *flags = row.split(":") + ([] if ":" in row else ["none"])
+    if set(flags) - {"", "ref", "hybrid"}:
+        raise SystemExit(f"--offload row {row!r}: the parts after the second are 'ref', 'hybrid' or nothing")
     return {"colocate": [["actor_train", "actor_infer", "reference"]], "offload_generation": gen,
-            "offload_train": train, "offload_reference": ref == "ref"}
+            "offload_train": train, "offload_reference": "ref" in flags, "hybrid": "hybrid" in flags}
+
+
+RESULT_KEYS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reference/kl_k3", "reward/mean", "eval/accuracy")
+
+
+def logged_results(tracking_uri: str) -> dict[str, list[float]]:
+    """What the run learned, per iteration (RESULT_KEYS' histories): the placement settings move
+    memory, not results, so every row of a model should log the same values."""
+    from infra import tracking
+
+    c = tracking.client(tracking_uri)
+    exp = c.get_experiment_by_name("flyroll")
+    (run,) = [r for r in c.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+    return {k: [m.value for m in sorted(c.get_metric_history(run.info.run_id, k), key=lambda m: m.step)] for k in RESULT_KEYS}
 
 
 def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: str) -> dict:
@@ -136,9 +155,11 @@ def run_one(name: str, model_dir: str, chat: bool, offload: str, args, workdir: 
             by_actor.setdefault(a["actor"], []).append(round(a["peak_rss_mb"]))
     row["actors_peak_mb"] = {k: sorted(v, reverse=True) for k, v in sorted(by_actor.items())}
     row["sum_actor_peaks_mb"] = round(sum(v[0] for v in by_actor.values() if v))
-    row["max_train_gen_mb"] = round(max((by_actor.get(a) or [0])[0] for a in ("TrainWorker", "GenerationWorker")))
+    row["max_train_gen_mb"] = round(max((by_actor.get(a) or [0])[0] for a in ("TrainWorker", "GenerationWorker", "HybridWorker")))
     if rc:
         row["error"] = f"pyflyte exited {rc}"
+    else:
+        row["results"] = logged_results(cfg["run"]["tracking_uri"])
         with open(os.path.join(root, "pyflyte.log")) as f:
             print(f.read()[-4000:], flush=True)
     return row
@@ -148,7 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny", help="comma list of tiny, smollm2")
     ap.add_argument("--offload", default="none,weights,weights:all:ref",
-                    help="rows in run order, each GEN[:TRAIN[:ref]]: offload_generation, offload_train, 'ref' = offload_reference")
+                    help="rows in run order, each GEN[:TRAIN[:FLAG...]]: offload_generation, offload_train, then 'ref' = "
+                         "offload_reference, 'hybrid' = placement.hybrid (the three roles in one process per training worker)")
     ap.add_argument("--sync", choices=("live", "store"), default="live", help="sync.method of every run")
     ap.add_argument("--iterations", type=int, default=2, help="loop.iterations of each run")
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between RSS samples")
@@ -165,12 +187,17 @@ def main() -> None:
     print(f"\npeak RSS, MB (torch threads 1 per actor; sync.method {args.sync}; {args.iterations} iterations; "
           "total = peak of the sum over Ray actor processes, sampled; pss = the same for PSS (shared pages divided "
           "among the processes that map them); per actor = its VmHWM; sum = the per-actor peaks added (the largest "
-          "process of each actor); max = max(TrainWorker, GenerationWorker))")
+          "process of each actor); max = max(TrainWorker, GenerationWorker, HybridWorker))")
     actors = sorted({a for r in rows for a in r["actors_peak_mb"]})
     print(f"{'model':8} {'offload':16} {'total':>7} {'pss':>7} {'sum':>7} {'max':>7} " + " ".join(f"{a:>22}" for a in actors) + f" {'s':>6}")
     for r in rows:
         cells = " ".join(f"{'+'.join(map(str, r['actors_peak_mb'].get(a, []))) or '-':>22}" for a in actors)
         print(f"{r['model']:8} {r['offload']:16} {r['peak_total_mb']:>7} {r['peak_total_pss_mb']:>7} {r['sum_actor_peaks_mb']:>7} {r['max_train_gen_mb']:>7} {cells} {r['seconds']:>6}" + (f"  {r['error']}" if r.get("error") else ""))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        logged = [r for r in rows if r["model"] == name and "results" in r]
+        same = all(r["results"] == logged[0]["results"] for r in logged)
+        print(f"{name}: {', '.join(RESULT_KEYS)} per iteration {'identical' if same else 'DIFFER'} across "
+              f"{len(logged)} finished row(s)" + ("" if same else ": " + "; ".join(f"{r['offload']} {r['results']}" for r in logged)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,6 +1,6 @@
 """The config's checks of how a new policy reaches the generators (FlyrollConfig's validator calls
 `check_hand_off`): asynchronous generation, `sync` (live weight sync and its transport),
-`placement.offload_generation` / `offload_train` / `offload_reference` and `checkpoint.publish_every`. Each refusal names the field and why."""
+`placement.offload_generation` / `offload_train` / `offload_reference` / `hybrid` and `checkpoint.publish_every`. Each refusal names the field and why."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def check_hand_off(cfg) -> None:
                          "rollout task and share no memory with the trainer; set offload_generation: none, or "
                          "loop.fuse > 1 (one cluster for the fused iterations)")
     offload_check(cfg)
+    if cfg.placement.hybrid:
+        hybrid_check(cfg)
     if cfg.checkpoint.publish_every > 1:
         publish_every_check(cfg)
 
@@ -48,6 +50,27 @@ def offload_check(cfg) -> None:
         raise ValueError(f"placement.offload_train={p.offload_train!r} with training.strategy={cfg.training.strategy}: "
                          "offloading handles one process's plain tensors, not sharded (DTensor / DeepSpeed) optimizer "
                          "state; set offload_train: none, or training.strategy: torch")
+
+
+def hybrid_check(cfg) -> None:
+    """placement.hybrid (tasks/hybrid.py): refused where its processes cannot host the roles as asked."""
+    if cfg.rollout.engine != "hf":
+        raise ValueError(f"placement.hybrid=true with rollout.engine={cfg.rollout.engine}: a hybrid worker hosts the hf "
+                         "engine (vLLM inside the trainer's process is not built); set rollout.engine: hf, or hybrid: false")
+    if cfg.rollout.num_workers != cfg.training.num_workers:
+        raise ValueError(f"placement.hybrid=true with rollout.num_workers={cfg.rollout.num_workers} and "
+                         f"training.num_workers={cfg.training.num_workers}: each hybrid worker hosts one training rank and "
+                         "one generation engine; set the two counts equal, or hybrid: false")
+    if cfg.loop.fuse == 1 and os.environ.get("FLYROLL_RAY", "shared") == "per-task":
+        raise ValueError("placement.hybrid=true with FLYROLL_RAY=per-task and loop.fuse=1: each stage has its own Ray "
+                         "cluster, so a hybrid worker would end with its task and host one role only; set hybrid: false, "
+                         "or loop.fuse > 1 (one cluster for the fused iterations)")
+    fields = type(cfg.sync).model_fields  # set = not the default (a to_json round trip marks every field given)
+    given = sorted(f for f in ("transport", "bucket_mb", "timeout_s") if getattr(cfg.sync, f) != fields[f].default)
+    if cfg.sync.method == "live" and given:
+        raise ValueError(f"placement.hybrid=true copies a live sync's weights inside each hybrid worker (no update group), "
+                         f"so {', '.join('sync.' + f for f in given)} would do nothing; leave "
+                         f"{'them' if len(given) > 1 else 'it'} unset, or set hybrid: false")
 
 
 def publish_every_check(cfg) -> None:

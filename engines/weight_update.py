@@ -121,6 +121,41 @@ def gather_only(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
                 pass
 
 
+def copy_in_process(named_params: Iterable[tuple[str, torch.Tensor]], engine: WeightReceiver, version: int) -> SyncReport:
+    """A hybrid worker's sync (a trainer and its generation engine in one process, tasks/hybrid.py): the
+    trainer's tensors copied straight into the engine's weights, cast to the engine's dtype, no group,
+    no wire buffer. Plain tensors: one full update, every name and shape checked before the first copy
+    (a refused update leaves the engine as it was). Shards (FSDP2, ZeRO-3): gathered one parameter at a
+    time, as `send` gathers them; every training rank calls this at once, in the same parameter order
+    (each gather is a collective of the trainer's group), and each fills its own engine: a partial
+    update (the engine refuses to generate until `finish_weight_update`), checked against the engine's
+    spec first. Returns the report; raises ValueError naming what did not match."""
+    params, start = list(named_params), time.perf_counter()
+    nbytes = sum(_numel(full_shape(t)) for _, t in params) * engine.weight_dtype().itemsize
+    if not any(is_shard(t) for _, t in params):
+        engine.update_weights(params, source=f"the trainer's weights of policy v{version}", version=version)
+        return SyncReport(version, "in_process", str(engine.weight_dtype()).removeprefix("torch."), 0, len(params), nbytes,
+                          time.perf_counter() - start, 0)
+    spec = engine.weight_spec()
+    wrong = [f"{n} {full_shape(t)} != {spec[n][0] if n in spec else 'not in the engine'}"
+             for n, t in params if n not in spec or tuple(spec[n][0]) != full_shape(t)]
+    missing = [n for n, (_, required) in spec.items() if required and n not in dict(params)]
+    if wrong or missing:
+        gather_only(params)  # the other ranks make these gathers too: leave none of them waiting
+        raise ValueError(f"the trainer's weights of policy v{version} do not match the engine's model: "
+                         f"missing={missing[:5]} unexpected={wrong[:5]}")
+    peak = 0
+    for name, t in params:
+        partial = is_partial(t)
+        with gathered(t) as full:
+            if partial:
+                peak = max(peak, full.numel() * full.element_size())
+            engine.update_weights([(name, full)], source=f"the trainer's weights of policy v{version}", partial=True)
+    engine.finish_weight_update(version)
+    return SyncReport(version, "in_process", str(engine.weight_dtype()).removeprefix("torch."), 0, len(params), nbytes,
+                      time.perf_counter() - start, peak)
+
+
 def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int) -> list[list[list]]:
     """Buckets of [name, shape, offset] in order, each at most `bucket_bytes` (aligned offsets). A tensor
     larger than a bucket is an error (no chunking: the bucket must hold the largest tensor)."""

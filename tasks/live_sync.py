@@ -45,6 +45,8 @@ def live_sync(spec: RunSpec, cfg, trainers: list, version: int, key: str) -> dic
     sync, with each engine's reported version. Every rank enters the sync: a sharded trainer's are
     gathered one parameter at a time as rank 0 fills each bucket (`TrainWorker.send_weights`). Raises
     LiveSyncError naming every engine (or training rank) that failed or reports another version."""
+    if cfg.placement.hybrid:
+        return _in_process(spec, trainers, version, key)
     gens = generation_actors(spec)
     names = [f"flyroll/{spec.run_id}/generation/{i}" for i in range(len(gens))]
     _ensure_group(trainers[0], gens, names, cfg.sync.transport, cfg.sync.timeout_s, version)
@@ -71,6 +73,26 @@ def live_sync(spec: RunSpec, cfg, trainers: list, version: int, key: str) -> dic
     if problems:
         raise LiveSyncError(f"live weight sync of policy v{version} ({key}) failed: " + "; ".join(problems))
     return {**report, "engines": len(gens)}
+
+
+def _in_process(spec: RunSpec, trainers: list, version: int, key: str) -> dict:
+    """placement.hybrid: every hybrid worker copies its trainer rank's weights into its own engine
+    (tasks/hybrid.py `HybridWorker.sync_in_process`), all at once (a sharded trainer gathers on every
+    rank); LiveSyncError naming each worker that failed or serves another version."""
+    names = [f"flyroll/{spec.run_id}/hybrid/{i}" for i in range(len(trainers))]
+    refs = [t.handle.sync_in_process.remote(version, key) for t in trainers]
+    problems, reports = [], []
+    for name, ref in zip(names, refs):
+        try:
+            reports.append(ray.get(ref))
+        except Exception as e:  # noqa: BLE001 - a dead worker (RayActorError) or a refused copy
+            problems.append(f"hybrid worker {name}: {_short(e)}")
+            continue
+        if reports[-1]["served"] != version:
+            problems.append(f"hybrid worker {name}'s engine serves v{reports[-1]['served']}, expected v{version}")
+    if problems:
+        raise LiveSyncError(f"live weight sync of policy v{version} ({key}) failed: " + "; ".join(problems))
+    return {**reports[0], "engines": len(reports)}
 
 
 def _ensure_group(trainer, gens: list, names: list[str], transport: str, timeout_s: float, version: int) -> None:

@@ -24,6 +24,7 @@ from infra.ray_cluster import ray_job
 from infra.resources import actor_options_for, role_devices, task_resources
 from tasks.checkpoints import scratch_checkpoint_dir
 from tasks.common import check_columns, config_of, stage
+from tasks.hybrid import role_views
 from tasks.keys import policy_key
 from tasks.live_sync import check_live_sync, live_sync
 from tasks.publish_plan import publish_due
@@ -33,11 +34,13 @@ from tasks.workers import TrainWorker
 
 
 def train_workers(cfg, run_id: str) -> list:
-    """The run's TrainWorker actors; with a distributed strategy, joined into one process group."""
+    """The run's TrainWorker actors (with placement.hybrid the training roles of the hybrid workers,
+    tasks/hybrid.py); with a distributed strategy, joined into one process group."""
     t = cfg.training
-    workers = actor_pool(TrainWorker, "training", t.num_workers, run_id,
-                         {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
-                         actor_options_for(cfg, "actor_train", shared_local_ray()))
+    workers = role_views(cfg, run_id, "actor_train") if cfg.placement.hybrid else \
+        actor_pool(TrainWorker, "training", t.num_workers, run_id,
+                   {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
+                   actor_options_for(cfg, "actor_train", shared_local_ray()))
     if t.strategy != "torch":
         address = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])
@@ -88,7 +91,8 @@ def train(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, iteration: int,
             if offload == "all":
                 moved += ray.get([w.release_memory.remote(offload) for w in workers])[0]
             metrics.update({"weight_sync/live_seconds": report["seconds"], "weight_sync/live_bytes": float(report["bytes"]),
-                            "weight_sync/live_buckets": float(report["buckets"])})
+                            "weight_sync/live_buckets": float(report["buckets"]),
+                            "weight_sync/live_in_process": float(report["transport"] == "in_process")})  # placement.hybrid
         if offload != "none":
             metrics["training/offloaded_mb"] = moved / 2**20
         metrics.update(step_metrics)

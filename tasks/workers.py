@@ -417,6 +417,7 @@ class TrainWorker:
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None
         self.sync_kept, self.sync_weights = False, None  # what the last step kept for `send_weights`
+        self.every_rank_keeps = False  # a hybrid worker's trainer (tasks/hybrid.py): each rank fills its own engine
         self.offload = None  # engines/offload.py TrainStateOffload while placement.offload_train has state away
 
     def rendezvous(self) -> tuple[str, int]:
@@ -567,10 +568,13 @@ class TrainWorker:
         critic_weights = None
         if self.critic_engine is not None and write:
             critic_weights = self.critic_engine.strategy.full_state_dict()
+        # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then;
+        # on rank 0 only, unless every rank fills an engine of its own: a hybrid worker)
+        kept = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if self.sync_kept else None
         if self.rank != 0:
+            self.sync_weights = kept if self.every_rank_keeps else None
             return metrics, {}
-        # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then)
-        self.sync_weights = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if self.sync_kept else None
+        self.sync_weights = kept
         if not write:
             return metrics, {}
 

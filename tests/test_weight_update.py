@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import os
 import signal
-import socket
 
 import pytest
 import torch
@@ -23,22 +22,11 @@ from engines.generation import HFGenerationEngine, SamplingParams
 from engines.modeling import build_tiny_policy
 from engines.weight_update import ModelUpdateGroup, WeightSyncError, plan_buckets
 
-TINY = dict(hidden_size=32, num_layers=2, num_heads=2, max_positions=128)
+from tests.support.sync import TINY, WAIT, digests, free_port, moved_tiny_digests, release
+
 BUCKET = 40 << 10    # 40 KiB: the tiny model's 106 KB of fp32 weights travel in several buckets
-WAIT = 120           # s: the longest a test waits for an engine process (they import torch first)
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def digests(model, dtype=torch.float32) -> dict[str, str]:
-    return {k: hashlib.sha256(t.detach().to(dtype).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for k, t in model.state_dict().items()}
 
 
 def engine_process(rank, port, world, q, leave, **kw):
@@ -239,8 +227,7 @@ def sharded_trainer(rank, dist_port, group_port, q, leave, refuse_first=False, s
                     group.send(model.named_parameters(), version=6, dtype="bfloat16", bucket_bytes=BUCKET)
             report = group.send(model.named_parameters(), version=7, bucket_bytes=BUCKET)
             group.close()
-            q.put((rank, sharded, {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                                   for k, v in full.items()}, report.buckets))
+            q.put((rank, sharded, digests(full), report.buckets))
         else:
             for _ in range(2 if refuse_first else 1):
                 gather_only(model.named_parameters())
@@ -290,17 +277,9 @@ def test_a_sharded_trainer_sends_bucket_by_bucket_and_the_engine_ends_bitwise_eq
         assert ranks[0][3] > 2                                            # several buckets, each gathered as it filled
         assert error is None and served == 7 and generated == "generated 1"
         assert weights == ranks[0][2]                                     # = the trainer's full weights, bitwise
-        unsharded, _ = build_tiny_policy(**TINY, seed=0)
-        with torch.no_grad():
-            for p in unsharded.parameters():
-                p.mul_(-0.5)
-        assert weights == digests(unsharded)
+        assert weights == moved_tiny_digests()
     finally:
-        leave.set()
-        for p in trainers:
-            p.join(timeout=WAIT)
-            if p.is_alive():
-                p.kill()
+        release(trainers, leave)
         stop(procs)
 
 
