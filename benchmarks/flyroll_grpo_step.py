@@ -58,7 +58,7 @@ def build(spec: dict):
     from engines.training import TorchTrainEngine
 
     torch.set_num_threads(spec["threads"])
-    keep_freed_memory()  # as flyroll's engine actors do (tasks/workers.py)
+    keep_freed_memory()  # as flyroll's engine actors do (tasks/actor_process.py)
     model_dir, problems = spec["model_dir"], spec["problems"]
     policy, tok = load_policy(model_dir)
     if spec["engine"] == "hf":

@@ -283,7 +283,7 @@ class PlacementConfig(_Section):
                     raise ValueError(f"placement.colocate: role {r!r} is in group {seen[r]} and group {i}; a role belongs to at most one group")
                 seen[r] = i
         if "critic" in seen and seen.get("actor_train") != seen["critic"]:
-            raise ValueError("placement.colocate: critic trains inside the actor_train workers (tasks/workers.py TrainWorker); put it in actor_train's group or leave it out")
+            raise ValueError("placement.colocate: critic trains inside the actor_train workers (tasks/train_worker.py TrainWorker); put it in actor_train's group or leave it out")
         for r in ("actor_train", "critic"):
             if getattr(self, r).dtype == "float16":
                 raise ValueError(f"placement.{r}.dtype='float16': float16 training needs loss scaling, which is not built; "

@@ -3,8 +3,8 @@
 The config (`placement.<role>.device` / `.dtype`, configs/schema.py) is resolved per role by
 `resolve_device` (here, so a machine without flytekit can print a role's placement;
 `infra.resources.placement_plan` calls it with the GPUs the role's worker requests) into plain
-strings ("cpu" / "cuda", "float32" / "bfloat16" / "float16"); the actors in tasks/workers.py hand
-those strings here.
+strings ("cpu" / "cuda", "float32" / "bfloat16" / "float16"); the actors in tasks/workers.py and
+tasks/train_worker.py hand those strings here.
 
 Two ways a dtype is used:
 - **inference roles** (actor_infer, reference, reward): the weights are cast to the dtype

@@ -6,7 +6,7 @@ What the rest of the pipeline sees does not change: the checkpoint a LoRA traine
 plain Hugging Face model with the delta merged into each target weight (`merged_state_dict`), so
 rollout, vLLM, evaluation and the reference stage load it as they load any policy. What only the
 trainer needs -- the adapter weights (`adapter_state_dict`) and the key of the frozen base they sit
-on -- goes into the trainer state beside the optimizer's (tasks/workers.py TrainWorker), so a
+on -- goes into the trainer state beside the optimizer's (tasks/train_worker.py TrainWorker), so a
 resume rebuilds base + adapter exactly, not from the merged (rounded) weights.
 
 Departure from the paper: none in the maths; the adapters are placed on the attention and MLP

@@ -5,7 +5,7 @@ once) and applies reward shaping, the KL-in-reward penalty (when KL is not a los
 advantage estimator chosen in the config, and advances the objective's cross-iteration state
 (`AlgorithmState`: adaptive KL coefficient, reinforce EMA baseline, running reward statistics),
 which the trainer keeps and checkpoints. `train_update` runs the whole update on the engines
-(critic, then actor) from the same batch: what the training actor (tasks/workers.py
+(critic, then actor) from the same batch: what the training actor (tasks/train_worker.py
 `TrainWorker.update`) calls. Everything here is plain PyTorch.
 """
 

@@ -24,7 +24,7 @@ gathers the weights onto rank 0, and `optimizer_state_dict` gathers the optimize
 written with one strategy resumes with any other.
 
 Process groups: `init_distributed` (gloo on CPU, NCCL on GPU) is called once per process; the Ray
-actors in tasks/workers.py do it with MASTER_ADDR/PORT taken from rank 0's actor.
+training actors (tasks/train_worker.py) do it with MASTER_ADDR/PORT taken from rank 0's actor.
 """
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ def check_sync_transport(cfg) -> None:
 
 
 def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:
-    """role -> its resolved (device, dtype), what the engine actors of tasks/workers.py take."""
+    """role -> its resolved (device, dtype), what the engine actors of tasks/workers.py and tasks/train_worker.py take."""
     plan = placement_plan(cfg)
     return {r: (plan[r].device, plan[r].dtype) for r in roles}
 

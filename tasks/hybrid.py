@@ -31,7 +31,8 @@ import ray
 
 from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
-from tasks.workers import GenerationWorker, ReferenceWorker, TrainWorker, generation_worker_kwargs
+from tasks.train_worker import TrainWorker
+from tasks.workers import GenerationWorker, ReferenceWorker, generation_worker_kwargs
 
 HOSTED = {"actor_train": TrainWorker, "actor_infer": GenerationWorker, "reference": ReferenceWorker}
 

@@ -30,7 +30,7 @@ from tasks.keys import parse_policy_key, policy_prefix
 from tasks.prompts import BOOTSTRAP_SEED0
 from tasks.splits import NOT_TOKENIZER, bounded_splits, build_splits, check_train_split, context_of, data_fingerprints
 from tasks.types import DatasetRef, PolicyRef, RunSpec
-from tasks.workers import capped_threads
+from tasks.actor_process import capped_threads
 
 PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", str)])
 

@@ -30,7 +30,7 @@ from tasks.live_sync import check_live_sync, live_sync
 from tasks.publish_plan import publish_due
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
-from tasks.workers import TrainWorker
+from tasks.train_worker import TrainWorker
 
 
 def train_workers(cfg, run_id: str) -> list:

@@ -96,7 +96,7 @@ def test_offload_that_cannot_take_effect_is_refused_naming_the_field(monkeypatch
 @pytest.mark.slow
 def test_a_trainer_actor_that_offloads_its_state_trains_what_a_resident_one_does(tmp_path, monkeypatch, tiny_model_dir,
                                                                                     tiny_policy):
-    """placement.offload_train=all through a real TrainWorker actor (tasks/workers.py `release_memory`,
+    """placement.offload_train=all through a real TrainWorker actor (tasks/train_worker.py `release_memory`,
     engines/offload.py): two updates, the state moved to a file after each and back for the next, give
     the same metrics, checkpoint weights and trainer state, bit for bit, as an actor that kept it."""
     import torch

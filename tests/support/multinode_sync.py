@@ -81,7 +81,7 @@ def main(model_dir: str, work: str) -> dict:
         sent = ray.get(trainer.__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.model.state_dict().items()}))
         key, version, held = ray.get(gen.__ray_call__.remote(
             lambda w: (w.key, w.engine.version, {k: v.clone() for k, v in w.engine.model.state_dict().items()})))
-        # the address the engine dialled for the group's store: the trainer's node (tasks/workers.py free_port)
+        # the address the engine dialled for the group's store: the trainer's node (tasks/train_worker.py free_port)
         store_addr = ray.get(gen.__ray_call__.remote(lambda w: (w.update_group._tcp.host, w.update_group._tcp.port)))
         nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes() if n["Alive"]}
         return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),

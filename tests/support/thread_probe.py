@@ -12,9 +12,9 @@ class ThreadProbe:
         self.at_start = {k: os.environ.get(k) for k in WATCHED}  # before this process imports torch
         import torch
 
-        from tasks.workers import _engine_process
+        from tasks.actor_process import engine_process
 
-        _engine_process(threads)
+        engine_process(threads)
         self.torch_threads = torch.get_num_threads()
 
     def seen(self) -> dict:
