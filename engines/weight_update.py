@@ -139,7 +139,8 @@ def copy_in_process(named_params: Iterable[tuple[str, torch.Tensor]], engine: We
     spec = engine.weight_spec()
     wrong = [f"{n} {full_shape(t)} != {spec[n][0] if n in spec else 'not in the engine'}"
              for n, t in params if n not in spec or tuple(spec[n][0]) != full_shape(t)]
-    missing = [n for n, (_, required) in spec.items() if required and n not in dict(params)]
+    given = {n for n, _ in params}
+    missing = [n for n, (_, required) in spec.items() if required and n not in given]
     if wrong or missing:
         gather_only(params)  # the other ranks make these gathers too: leave none of them waiting
         raise ValueError(f"the trainer's weights of policy v{version} do not match the engine's model: "

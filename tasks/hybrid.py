@@ -3,10 +3,11 @@
 
 A `HybridWorker` hosts a TrainWorker (actor_train, and the critic it carries), a GenerationWorker
 (actor_infer) and, when reference is in the same colocate group, a ReferenceWorker (on worker 0
-only), each built on its first call with the arguments its own actor would get. The stage tasks
-see the usual pools: `role_views` gives a `RoleView` per worker, whose `view.method.remote(...)`
-runs that role's method inside the hybrid worker, in the method's own concurrency group (a
-generation `abort` still reaches a running `generate`). So the stages run unchanged, and:
+only), each built on its first call with the arguments its own actor would get (`role_kwargs`). The
+stage tasks get these roles' pools from `role_actors`: the role's own actors, or a `RoleView` per
+hybrid worker, whose `view.method.remote(...)` runs that role's method inside the hybrid worker, in
+the method's own concurrency group (a generation `abort` still reaches a running `generate`). So the
+stages run unchanged, and:
 
 - one process holds the trainer and the generator: one Python, torch and transformers runtime
   instead of two or three, and one heap, so the memory the training step frees is what the rollout
@@ -46,14 +47,20 @@ def hybrid_roles(cfg) -> tuple[str, ...]:
     return tuple(r for r in HOSTED if r in group)
 
 
+POOLS = {"actor_train": "training", "actor_infer": "generation", "reference": "reference"}  # role -> its own pool's name
+
+
+def role_kwargs(cfg, role: str) -> dict:
+    """The constructor arguments of `role`'s worker (actor_train, actor_infer or reference), the same
+    for its own actor and for its part of a hybrid worker."""
+    if role == "actor_infer":
+        return generation_worker_kwargs(cfg)
+    return {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, role, "critic")}
+
+
 def part_kwargs(cfg) -> dict[str, dict]:
-    """Each hosted role's constructor arguments: those its own actor gets (tasks/pools.py,
-    tasks/training.py, tasks/reference.py)."""
-    threads = cfg.run.torch_threads
-    kwargs = {"actor_train": {"threads": threads, "devices": role_devices(cfg, "actor_train", "critic")},
-              "actor_infer": generation_worker_kwargs(cfg),
-              "reference": {"threads": threads, "devices": role_devices(cfg, "reference", "critic")}}
-    return {r: kwargs[r] for r in hybrid_roles(cfg)}
+    """Each hosted role's constructor arguments (`role_kwargs`)."""
+    return {r: role_kwargs(cfg, r) for r in hybrid_roles(cfg)}
 
 
 def hybrid_workers(cfg, run_id: str) -> list:
@@ -66,10 +73,17 @@ def hybrid_workers(cfg, run_id: str) -> list:
                       {"threads": cfg.run.torch_threads, "parts": part_kwargs(cfg)}, merged)
 
 
-def role_views(cfg, run_id: str, role: str) -> list:
-    """`role`'s pool as RoleViews of the hybrid workers (the reference: worker 0's alone)."""
-    workers = hybrid_workers(cfg, run_id)
-    return [RoleView(w, role) for w in (workers[:1] if role == "reference" else workers)]
+def role_actors(cfg, run_id: str, role: str) -> list:
+    """The actors serving placement role `role` (actor_train, actor_infer or reference; created on first
+    use, reused by every task of a local run): with placement.hybrid and the role in actor_train's
+    group, RoleViews of the hybrid workers (the reference: worker 0's alone); else the role's own
+    pool (training.num_workers, rollout.num_workers or one reference actor, placed as its role)."""
+    if role in hybrid_roles(cfg):
+        workers = hybrid_workers(cfg, run_id)
+        return [RoleView(w, role) for w in (workers[:1] if role == "reference" else workers)]
+    count = {"actor_train": cfg.training.num_workers, "actor_infer": cfg.rollout.num_workers, "reference": 1}[role]
+    return actor_pool(HOSTED[role], POOLS[role], count, run_id, role_kwargs(cfg, role),
+                      actor_options_for(cfg, role, shared_local_ray()))
 
 
 class RoleView:
@@ -154,23 +168,12 @@ class HybridWorker:
         generation engine, which then serves `key` as `version` (engines/weight_update.py
         `copy_in_process`). Called on every training rank at once (a sharded trainer's gathers are
         collectives). Returns the report with the version the engine now serves."""
-        from engines.lora import plain_model
-        from engines.weight_update import copy_in_process, is_shard
+        from engines.weight_update import copy_in_process
 
         train, gen = self._part("actor_train"), self._part("actor_infer")
-        if gen.engine is None:
-            raise RuntimeError(f"hybrid worker {ray.get_runtime_context().get_actor_name()}: its generation engine holds no "
-                               f"policy yet (no rollout loaded one), so it cannot take {key} in place")
-        gen._engine_free(f"sync_in_process {key}")
-        train._resident()  # placement.offload_train: the weights back before they are read
-        train.sync_kept = False
-        weights, train.sync_weights = train.sync_weights, None
-        params = list(plain_model(train.engine.model).named_parameters())
-        if weights is None and not any(is_shard(p) for _, p in params):  # one process: its own weights (LoRA merged)
-            weights = train.engine.checkpoint_state_dict() or plain_model(train.engine.model).state_dict()
-        gen.key = None  # until every weight is in: a torn engine serves no key
-        gen._wake(["weights"])  # after sleep(2): allocated here, filled from the trainer's tensors
-        report = copy_in_process(list(weights.items()) if weights is not None else params, gen.engine, version)
-        gen._wake(["kv_cache"])
-        gen.key = key
+        _, weights, params, sharded = train.take_sync_weights()
+        if weights is None and not sharded:
+            weights = train.own_weights()
+        named = list(weights.items()) if weights is not None else params
+        report = gen.fill_weights(key, f"sync_in_process {key}", lambda engine: copy_in_process(named, engine, version))
         return {**dataclasses.asdict(report), "served": gen.engine.version}

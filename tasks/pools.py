@@ -23,9 +23,9 @@ from engines.generation import SamplingParams
 from infra.ray_session import actor_pool, kill_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
 from tasks.common import config_of, console
-from tasks.hybrid import role_views
+from tasks.hybrid import role_actors
 from tasks.types import PolicyRef, RunSpec
-from tasks.workers import GenerationWorker, RewardWorker, generation_worker_kwargs
+from tasks.workers import RewardWorker
 
 
 # -- generation ---------------------------------------------------------------------------------
@@ -33,11 +33,7 @@ from tasks.workers import GenerationWorker, RewardWorker, generation_worker_kwar
 def generation_actors(spec: RunSpec) -> list:
     """The run's generation actors (created on first use, placed as `placement.actor_infer`; with
     placement.hybrid the generation roles of the hybrid workers), serving whatever they last loaded."""
-    cfg = config_of(spec)
-    if cfg.placement.hybrid:  # in the training workers' processes (tasks/hybrid.py)
-        return role_views(cfg, spec.run_id, "actor_infer")
-    return actor_pool(GenerationWorker, "generation", cfg.rollout.num_workers, spec.run_id, generation_worker_kwargs(cfg),
-                      actor_options_for(cfg, "actor_infer", shared_local_ray()))
+    return role_actors(config_of(spec), spec.run_id, "actor_infer")
 
 
 class EngineVersionError(RuntimeError):

@@ -25,14 +25,12 @@ import ray
 from flytekit import task
 
 from engines.rollout_batch import RolloutBatch
-from infra.ray_session import actor_pool, shared_local_ray
 from infra.ray_cluster import ray_job
-from infra.resources import actor_options_for, role_devices, task_resources
+from infra.resources import task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
-from tasks.hybrid import hybrid_roles, role_views
+from tasks.hybrid import role_actors
 from tasks.keys import rollout_table_key
 from tasks.types import PolicyRef, RunSpec
-from tasks.workers import ReferenceWorker
 
 
 @task(task_config=ray_job("reference"), **task_resources("reference"))
@@ -45,10 +43,7 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     cfg = config_of(spec)
     metrics: dict[str, float] = {}
     with stage(spec, "reference", iteration, metrics):
-        (worker,) = role_views(cfg, spec.run_id, "reference") if "reference" in hybrid_roles(cfg) else \
-            actor_pool(ReferenceWorker, "reference", 1, spec.run_id,
-                       {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "reference", "critic")},
-                       actor_options_for(cfg, "reference", shared_local_ray()))
+        (worker,) = role_actors(cfg, spec.run_id, "reference")
         models = {"reference": reference.key, "policy": policy.key}
         if cfg.algorithm.kl_coef == 0:
             models.pop("reference")

@@ -258,28 +258,44 @@ class TrainWorker:
         for it) once every engine verified it. Ranks > 0 return None."""
         import dataclasses
 
-        from engines.lora import plain_model
-        from engines.weight_update import gather_only, is_shard
+        from engines.weight_update import gather_only
 
-        self._resident()  # placement.offload_train: the weights back before they are read
-        kept, self.sync_kept = self.sync_kept, False
-        params = list(plain_model(self.engine.model).named_parameters())
-        sharded = any(is_shard(p) for _, p in params)
+        kept, weights, params, sharded = self.take_sync_weights()
         if self.rank != 0:
             if sharded and not kept:
                 gather_only(params)
             return None
-        weights, self.sync_weights = self.sync_weights, None
         if weights is None and not sharded and self.world_size > 1:
             raise RuntimeError(f"send_weights(v{version}): no weights kept by the last step (keep_weights=False) and "
                                f"the {self.engine.strategy.name} trainer's rank 0 does not gather them per bucket")
-        if weights is None and not sharded:  # one process: its own weights (LoRA merged)
-            weights = self.engine.checkpoint_state_dict() or plain_model(self.engine.model).state_dict()
+        if weights is None and not sharded:
+            weights = self.own_weights()
         named = list(weights.items()) if weights is not None else params
         report = self.update_group.send(named, version=version, dtype=dtype, bucket_bytes=bucket_bytes)
         own = {p.data_ptr() for _, p in params}  # a one-process trainer keeps its own tensors: no copy held
         held = sum(t.numel() * t.element_size() for t in weights.values() if t.data_ptr() not in own) if kept else 0
         return {**dataclasses.asdict(report), "kept_bytes": held}
+
+    def take_sync_weights(self) -> tuple[bool, dict | None, list, bool]:
+        """What a live sync of the last step reads, taken once (`send_weights`; a hybrid worker's
+        `sync_in_process`, tasks/hybrid.py): (whether the step kept weights for it, the weights this rank
+        kept or None, the model's named parameters, resident again after placement.offload_train,
+        whether they are shards)."""
+        from engines.lora import plain_model
+        from engines.weight_update import is_shard
+
+        self._resident()  # placement.offload_train: the weights back before they are read
+        kept, self.sync_kept = self.sync_kept, False
+        weights, self.sync_weights = self.sync_weights, None
+        params = list(plain_model(self.engine.model).named_parameters())
+        return kept, weights, params, any(is_shard(p) for _, p in params)
+
+    def own_weights(self) -> dict:
+        """This process's whole weights as the plain model's (LoRA merged): a trainer whose parameters
+        are not shards."""
+        from engines.lora import plain_model
+
+        return self.engine.checkpoint_state_dict() or plain_model(self.engine.model).state_dict()
 
     def update(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int,
                train_actor: bool = True) -> dict:

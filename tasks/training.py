@@ -19,28 +19,24 @@ import ray
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
-from infra.ray_session import actor_pool, shared_local_ray
+from infra.ray_session import shared_local_ray
 from infra.ray_cluster import ray_job
-from infra.resources import actor_options_for, role_devices, task_resources
+from infra.resources import task_resources
 from tasks.checkpoints import scratch_checkpoint_dir
 from tasks.common import check_columns, config_of, stage
-from tasks.hybrid import role_views
+from tasks.hybrid import role_actors
 from tasks.keys import policy_key
 from tasks.live_sync import check_live_sync, live_sync
 from tasks.publish_plan import publish_due
 from tasks.replay import trainer_state_due, update_args
 from tasks.types import PolicyRef, RunSpec
-from tasks.train_worker import TrainWorker
 
 
 def train_workers(cfg, run_id: str) -> list:
     """The run's TrainWorker actors (with placement.hybrid the training roles of the hybrid workers,
     tasks/hybrid.py); with a distributed strategy, joined into one process group."""
     t = cfg.training
-    workers = role_views(cfg, run_id, "actor_train") if cfg.placement.hybrid else \
-        actor_pool(TrainWorker, "training", t.num_workers, run_id,
-                   {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, "actor_train", "critic")},
-                   actor_options_for(cfg, "actor_train", shared_local_ray()))
+    workers = role_actors(cfg, run_id, "actor_train")
     if t.strategy != "torch":
         address = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])

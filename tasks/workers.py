@@ -169,16 +169,23 @@ class GenerationWorker:
 
     def receive_weights(self, key: str) -> int | None:
         """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
-        self._engine_free(f"receive_weights {key}")
+        return self.fill_weights(key, f"receive_weights {key}",
+                                 lambda engine: self.update_group.receive(engine, on_bucket=self.on_bucket))
+
+    def fill_weights(self, key: str, what: str, fill):
+        """A live sync into the engine in place: weights woken (after sleep(2): allocated, unfilled),
+        `fill(engine)` (the update group's buckets, or a hybrid worker's in-process copy), then the cache;
+        the engine serves `key` once it returns, no key while torn. Returns what `fill` returns."""
+        self._engine_free(what)
         if self.engine is None:
             raise RuntimeError(f"generation actor {ray.get_runtime_context().get_actor_name()} holds no policy to update "
                                f"(a new actor, started after the last rollout), so it cannot take {key} in place")
-        self.key = None  # until every bucket is in: a torn engine serves no key
-        self._wake(["weights"])  # after sleep(2): allocated here, filled by the sync's buckets
-        version = self.update_group.receive(self.engine, on_bucket=self.on_bucket)
+        self.key = None
+        self._wake(["weights"])
+        out = fill(self.engine)
         self._wake(["kv_cache"])
         self.key = key
-        return version
+        return out
 
     def _build(self, model_dir: str):
         if self.engine_name == "vllm":

@@ -45,6 +45,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     the fit); the scoring task creates no generation actor and passes the scored table through."""
     import yaml
 
+    import tasks.hybrid
     import tasks.pools
     import tasks.rollout
     import tasks.scoring
@@ -63,7 +64,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
 
     created, current = [], ["?"]
-    for module in (tasks.pools,):  # the actor pools of every stage (tasks/pools.py)
+    for module in (tasks.pools, tasks.hybrid):  # every stage's actor pools (tasks/pools.py; tasks/hybrid.py role_actors)
         def recording(cls, role, *args, _real=module.actor_pool, **kwargs):
             created.append((current[0], role))
             return _real(cls, role, *args, **kwargs)
