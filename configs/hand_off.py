@@ -10,9 +10,6 @@ import os
 def check_hand_off(cfg) -> None:
     """Refuse (ValueError) a combination of pipeline, sync, offload and publish settings that cannot work."""
     if cfg.pipeline.off_policy_steps > 0:
-        if cfg.env is not None:
-            raise ValueError(f"pipeline.off_policy_steps={cfg.pipeline.off_policy_steps}: asynchronous generation "
-                             "is built for workflows/rlvr.py; the agentic workflow (env set) samples on-policy: set 0")
         if cfg.algorithm.tis_cap is None:
             raise ValueError(f"pipeline.off_policy_steps={cfg.pipeline.off_policy_steps} samples with a policy "
                              f"{cfg.pipeline.off_policy_steps} update(s) old; set algorithm.tis_cap (e.g. 2.0) so "

@@ -325,7 +325,7 @@ class CheckpointConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    off_policy_steps: int = Field(0, ge=0, le=16, description="Asynchronous generation: iteration i's rollout samples with the policy published k = off_policy_steps iterations before the one it trains (version i-1-k, not before the run's starting policy), so the rollout of iteration i+1 does not wait for iteration i's update and runs beside it (on a Flyte cluster as its own task; in one box within a fused task, loop.fuse). Every row's policy_version names the policy that sampled it (rollout/staleness logs the lag) and the update corrects the lag with truncated importance sampling, so k > 0 needs algorithm.tis_cap. 0 = synchronous (on-policy).")
+    off_policy_steps: int = Field(0, ge=0, le=16, description="Asynchronous generation: iteration i's rollout samples with the policy published k = off_policy_steps iterations before the one it trains (version i-1-k, not before the run's starting policy), so the rollout of iteration i+1 does not wait for iteration i's update and runs beside it (on a Flyte cluster as its own task; in one box within a fused task, loop.fuse). The agentic workflow (env set) takes it too: its episodes are played by that older version (unfused, so locally without overlap). Every row's policy_version names the policy that sampled it (rollout/staleness logs the lag) and the update corrects the lag with truncated importance sampling, so k > 0 needs algorithm.tis_cap. 0 = synchronous (on-policy).")
 
 
 class SyncConfig(_Section):

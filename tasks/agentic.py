@@ -144,7 +144,9 @@ def scored_episodes(batch: pd.DataFrame) -> pd.DataFrame:
 
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.DataFrame:
-    """B environments (seeds) x G episodes each -> one row per episode (prompt + interleaved turns)."""
+    """B environments (seeds) x G episodes each, played by `policy` (with pipeline.off_policy_steps an
+    older version than the one iteration `iteration` trains) -> one row per episode (prompt +
+    interleaved turns)."""
     cfg = config_of(spec)
     B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
     metrics: dict[str, float] = {}
@@ -160,6 +162,7 @@ def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.Dat
         metrics.update(episode_metrics(episodes, prefix="env"))
         metrics["rollout/response_length"] = float(df["response_token_ids"].map(len).mean())
         metrics["rollout/policy_tokens"] = float(df["loss_mask"].map(sum).sum())
+        metrics["rollout/staleness"] = float(iteration - 1 - policy.version)  # updates behind the trainer (off_policy_steps)
     return df
 
 

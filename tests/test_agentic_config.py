@@ -18,7 +18,6 @@ REFUSED = [
     ("data.max_prompt_tokens=64", "data.max_prompt_tokens"),
     ("reward.num_workers=2", "reward.num_workers"),
     ('reward.functions={"frozenlake": "exact"}', "reward.functions"),
-    ("pipeline.off_policy_steps=1", "pipeline.off_policy_steps"),
     ("rollout.partial_rollout_max_split=2", "rollout.partial_rollout_max_split"),
     ("rollout.score_while_generating=true", "rollout.score_while_generating"),
     ("loop.fuse=2", "loop.fuse"),
@@ -38,6 +37,19 @@ def test_filter_groups_is_allowed_with_env_workers():
     with pytest.raises((ConfigError, ValueError)) as info:
         load_config(PRESET, ["algorithm.filter_groups=true"])
     assert "algorithm.filter_groups" in str(info.value) and "env.workers > 0" in str(info.value)
+
+
+def test_off_policy_steps_is_allowed_with_truncated_importance_sampling():
+    """pipeline.off_policy_steps works in the agentic workflow (tests/test_agentic_workflow.py); like
+    RLVR's it needs algorithm.tis_cap, which needs old_logprobs other than the preset's 'behaviour'."""
+    cfg = load_config(PRESET, ["pipeline.off_policy_steps=1", "algorithm.tis_cap=2.0", "algorithm.old_logprobs=recompute"])
+    assert cfg.pipeline.off_policy_steps == 1 and cfg.env is not None
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["pipeline.off_policy_steps=1"])
+    assert "algorithm.tis_cap" in str(info.value)
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(PRESET, ["pipeline.off_policy_steps=1", "algorithm.tis_cap=2.0"])  # the preset's old_logprobs: behaviour
+    assert "old_logprobs" in str(info.value)
 
 
 def test_same_options_still_load_for_rlvr():

@@ -50,6 +50,54 @@ def test_agentic_workflow_end_to_end(tmp_path):
         assert all((m == 1) == (t >= 0) for m, t in zip(mask, turns))  # mask = exactly the policy's tokens
 
 
+@pytest.mark.slow
+def test_agentic_off_policy_episodes_lag_one_version_and_are_corrected(tmp_path):
+    """pipeline.off_policy_steps: 1 in the agentic workflow (the environments in an env worker pool,
+    the asynchronous manager): iteration i's episodes are played by v(i-2) while the update starts
+    from v(i-1). Every row names the version that played it, the lag is logged, the truncated
+    importance weights differ from 1 exactly where the player lagged, and each rollout table's
+    lineage names the player first and the policy it trained as `trained_from`."""
+    from pathlib import Path
+
+    import pandas as pd
+    from safetensors.torch import load_file
+
+    from infra.store import ArtifactStore
+    from tests.support.sync import digests
+
+    c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", loop={"iterations": 3, "eval_every": 3},
+                     pipeline={"off_policy_steps": 1}, algorithm={"tis_cap": 2.0}, rollout={"prompts_per_iteration": 4},
+                     env={"workers": 1, "worker_cpus": 0.5, "bootstrap_episodes": 60},
+                     # a policy that writes some valid moves: mixed returns, so most updates are not zero
+                     model={"bootstrap": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "steps": 120,
+                                          "max_positions": 512}})
+    store = ArtifactStore(str(tmp_path / "runs" / "store"))
+    keys = sorted(k for k in store.list("runs") if "/rollouts/" in k)
+    versions = [sorted(set(pd.read_parquet(f"{store.fetch(k, str(tmp_path / 'r' / k))}/rollout.parquet")["policy_version"]))
+                for k in keys]
+    assert versions == [[0], [0], [1]], versions
+    assert _history(c, run, "rollout/staleness") == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert [v for _, v in _history(c, run, "env_manager/staleness_max")] == [0.0, 0.0, 0.0]  # one version per rollout
+    policies = sorted(k for k in store.list("runs") if "/policy/" in k)
+    second, third = store.manifest(keys[1]), store.manifest(keys[2])
+    assert second.parents[0].startswith("models/") and second.metadata["trained_from"] == policies[0]  # played by v0, trained v1
+    assert third.parents[0] == policies[0] and third.parents[-1] == policies[1]
+
+    def weights(key):  # name -> digest of every tensor of a published policy
+        folder = Path(store.fetch(key, str(tmp_path / "w" / key)))
+        return digests({k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()})
+
+    # the TIS weights differ from 1 exactly where the player's weights differ from the trainer's: at
+    # iteration 1 never; at 2 and 3 unless the previous update left the weights unchanged (a batch of
+    # all-equal groups)
+    tis = dict(_history(c, run, "actor/tis_weight_mean"))
+    assert sorted(tis) == [1, 2, 3] and abs(tis[1] - 1.0) < 1e-3, tis
+    lagged = {i: weights(store.manifest(keys[i - 1]).parents[0]) != weights(policies[i - 2]) for i in (2, 3)}
+    assert any(lagged.values()), "no update changed the weights: nothing lagged"
+    for i, differ in lagged.items():
+        assert (abs(tis[i] - 1.0) > 1e-4) == differ, (i, tis, lagged)
+
+
 def test_gigpo_runs_on_agentic_rows(tiny_policy):
     """The training path computes GiGPO advantages from the rollout table's per-turn columns; the
     advantage is zero on environment tokens."""

@@ -9,6 +9,12 @@ reference forward, training (loss only on the policy's own tokens), weight sync 
 RLVR (tasks/recipe.py `one_iteration`, `run_iterations`) with the same reference/training/weight-sync
 tasks and lineage. Evaluation plays fixed held-out seeds
 greedily: success rate, effective- and invalid-action rates, turns, return.
+
+With `pipeline.off_policy_steps: k` iteration i's episodes are played by policy version i-1-k (not
+before the run's starting policy), as RLVR's asynchronous generation does: on a Flyte cluster
+iteration i+1's rollout then runs beside iteration i's update; each row's policy_version names the
+version that played it, `rollout/staleness` logs the lag, and the update corrects it with truncated
+importance sampling (`algorithm.tis_cap`, required).
 """
 
 from __future__ import annotations
@@ -74,23 +80,31 @@ def env_dataset(spec: RunSpec) -> DatasetRef:
 
 
 @workflow
-def agentic_iteration(spec: RunSpec, policy: PolicyRef, reference: PolicyRef, dataset: DatasetRef, iteration: int) -> IterationOut:
-    new_policy, scored = one_iteration(AGENTIC, spec, policy, policy, reference, dataset, iteration)  # on-policy episodes
+def agentic_iteration(spec: RunSpec, policy: PolicyRef, generator: PolicyRef, reference: PolicyRef, dataset: DatasetRef,
+                      iteration: int) -> IterationOut:
+    """Update `policy` on episodes played by `generator` (= `policy`, or an older version with
+    pipeline.off_policy_steps; a Flyte cluster then plays these episodes beside the previous update)."""
+    new_policy, scored = one_iteration(AGENTIC, spec, policy, generator, reference, dataset, iteration)
     return IterationOut(policy=new_policy, samples=scored)
 
 
 @dynamic(**task_resources("weight_sync"))
-def agentic_loop(spec: RunSpec, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int, eval_every: int) -> LoopOut:
+def agentic_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int,
+                 eval_every: int) -> LoopOut:
+    """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`; each
+    iteration's episodes are played by the policy pipeline.off_policy_steps updates older than the one
+    it trains (tasks/recipe.py `generator_policy`; 0 = on-policy)."""
     accuracy = evaluate_episodes(spec=spec, policy=start) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
     policy, accuracy, samples = run_iterations(
-        step=lambda policy, _generator, it: agentic_iteration(spec=spec, policy=policy, reference=reference,
-                                                              dataset=dataset, iteration=it),
+        step=lambda policy, generator, it: agentic_iteration(spec=spec, policy=policy, generator=generator,
+                                                             reference=reference, dataset=dataset, iteration=it),
         evaluate=lambda policy: evaluate_episodes(spec=spec, policy=policy),
-        spec=spec, origin=start, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
-        lag=0, accuracy=accuracy)  # episodes are sampled on-policy: no lag
+        spec=spec, origin=origin, start=start, first=start.version + 1, end=end, last=last, eval_every=eval_every,
+        lag=config_of(spec).pipeline.off_policy_steps, accuracy=accuracy)
     if end < last:
-        return agentic_loop(spec=spec, start=policy, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
+        return agentic_loop(spec=spec, origin=origin, start=policy, reference=reference, dataset=dataset, last=last,
+                            eval_every=eval_every)
     return LoopOut(policy=policy, accuracy=accuracy, samples=samples)
 
 
@@ -111,5 +125,6 @@ def agentic(config: str = "configs/frozenlake.yaml", restart: bool = False,
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
-    out = agentic_loop(spec=spec, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
+    out = agentic_loop(spec=spec, origin=base, start=start, reference=reference, dataset=dataset, last=last,
+                       eval_every=eval_every)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
