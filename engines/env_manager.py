@@ -410,11 +410,15 @@ def shortest_plan_moves(env, plan: list[str]) -> list[str]:
 
 def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwargs: dict | None = None,
                     habit_rate: float = 0.0, habit_seed: int = 0, detour_rate: float = 0.0,
-                    segments: bool = False, random_ties: bool = False) -> list[tuple[str, str | list[tuple[str, bool]]]]:
+                    segments: bool = False, random_ties: bool = False,
+                    fmt: "ChatFormat | None" = None) -> list[tuple[str, str | list[tuple[str, bool]]]]:
     """(prompt, response) demonstrations by the environment's scripted solver, laid out exactly as
-    ``run_episodes`` lays out text (each action on its own line, then the environment's reply; no
-    reply after the last action). Re-plans after every step (slippery FrozenLake); seeds the solver
-    cannot finish within ``max_turns`` are skipped. For ``engines.pretrain.supervised_finetune``.
+    ``run_episodes`` lays out text: the first prompt (``first_prompt``), each action as the engine
+    would end it (on its own line, or at one of the environment's ``stop`` strings when it ends with
+    one), then the environment's reply (``reply_text``, or with ``fmt`` the chat template's user turn,
+    ``ChatFormat.reply``); no reply after the last action. Re-plans after every step (slippery
+    FrozenLake); seeds the solver cannot finish within ``max_turns`` are skipped. For
+    ``engines.pretrain.supervised_finetune``.
     ``segments=True``: each response is a list of (text, is_action) segments instead of one string
     (the same text), so the fine-tune can put its loss on the actions only.
 
@@ -443,7 +447,8 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
     pairs = []
     for seed in seeds:
         env = make_env(env_name, **(env_kwargs or {}))
-        prompt = env.instructions + env.reset(seed)
+        turns = EnvTurns.of(env)
+        prompt = first_prompt(fmt, env.instructions, env.reset(seed), turns)
         parts, success = [], False
         wasted_here = False
         for turn in range(max_turns):
@@ -456,13 +461,13 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
                 move = detour_action(env, plan[0], rng)
             if move is None:
                 move = rng.choice(shortest_plan_moves(env, plan)) if random_ties else plan[0]
-            action = move + "\n"
+            action = move if move.endswith(tuple(turns.stop)) else move + "\n"   # where the engine's stop ends it
             observation, _, done, info = env.step(action)
             parts.append((action, True))
             if done or turn == max_turns - 1:
                 success = bool(info.get("success"))
                 break
-            parts.append((reply_text(action, observation), False))
+            parts.append((fmt.reply([], observation) if fmt else reply_text(action, observation), False))
         if success:
             pairs.append((prompt, parts if segments else "".join(text for text, _ in parts)))
     return pairs

@@ -82,14 +82,19 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
         console.print(f"[bold]resuming run[/] {run_id}  mlflow run {mlflow_run}")
     tracking.claim_run(tracking_uri, mlflow_run, end_on_exit=is_local_execution())  # RUNNING, owned by this process
     spec = RunSpec(cfg.to_json(), chash, run_id, store_uri, tracking_uri, mlflow_run)
+    return PrepareOut(spec, model_spec_of(cfg, store_uri))
+
+
+def model_spec_of(cfg, store_uri: str) -> str:
+    """What builds the starting policy and the reference (`build_base_policy`, `build_reference`), as
+    JSON: the model section, seed, store, threads and the environment (its demonstrations)."""
     # a local model folder by its content too: one re-saved at the same path is a new import (and a new
     # Flyte cache key of bootstrap_policy, whose input this is), not the first import silently reused
     folders = {f: fingerprint(p)["digest"] for f, p in (("path", cfg.model.path), ("reference_path", cfg.model.reference_path))
                if p and os.path.isdir(p)}
-    model_spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
-                             "threads": cfg.run.torch_threads, **({"model_fingerprints": folders} if folders else {}),
-                             **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
-    return PrepareOut(spec, model_spec)
+    return json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.run.seed, "store_uri": store_uri,
+                       "threads": cfg.run.torch_threads, **({"model_fingerprints": folders} if folders else {}),
+                       **({"env": cfg.env.model_dump(mode="json")} if cfg.env is not None else {})}, sort_keys=True)
 
 
 def resolved_config(config: str, overrides: typing.Optional[typing.List[str]], cfg) -> str:
@@ -232,25 +237,22 @@ def bootstrap_policy(model_spec: str) -> PolicyRef:
 def build_base_policy(model_spec: str) -> PolicyRef:
     """The starting policy. With `model.path` unset: build a tiny Qwen2 + char tokenizer offline and
     pre-train it on the bundled tasks (cached by Flyte and by the store key); with a local model
-    directory: import it into the store; with a store key: use it as is."""
+    directory: import it into the store; with a store key: use it as is. An agentic run with
+    `model.warm_start.steps` then fine-tunes the imported model on the environment's solver episodes
+    (`warm_start`)."""
     spec = json.loads(model_spec)
     m = spec["model"]
     store = ArtifactStore(spec["store_uri"])
     path = m["path"]
     digest = hashlib.sha256(model_spec.encode()).hexdigest()[:12]
-    if path and path.startswith(("gguf:", "package:")):  # a GGUF file, or the one a package ships
-        return PolicyRef(key=_import_gguf(path, store, f"models/import-{digest}/v0000", "model.path"), version=0)
-    if path and not os.path.isdir(path):  # a store key or a URI inside this store
-        key = _store_key(path, store)
-        store.manifest(key)  # raises ArtifactNotFound with a clear message
+    if path:
+        key = _imported(spec, store, digest)
+        if spec.get("env") and m.get("warm_start", {}).get("steps", 0) > 0:
+            return warm_start(spec, store, key, digest)
         return PolicyRef(key=key, version=0)
-    key = f"models/{'import' if path else 'tiny'}-{digest}/v0000"
+    key = f"models/tiny-{digest}/v0000"
     if store.exists(key):
         console.print(f"[bold]bootstrap[/] reusing {key}")
-        return PolicyRef(key=key, version=0)
-    if path:
-        store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
-                      metadata={"imported_from": path, "fingerprint": spec.get("model_fingerprints", {}).get("path")})
         return PolicyRef(key=key, version=0)
 
     from engines.modeling import build_tiny_policy, save_policy  # engines.modeling: here and below, not at the top: it
@@ -259,29 +261,90 @@ def build_base_policy(model_spec: str) -> PolicyRef:
     b = m["bootstrap"]
     model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"], seed=spec["seed"])
     if spec.get("env"):  # agentic: pre-train on scripted-solver episodes of the environment
-        env = spec["env"]
-        pairs = solved_episodes(env["name"], [BOOTSTRAP_SEED0 + i for i in range(env["bootstrap_episodes"])],
-                                max_turns=env["max_turns"], env_kwargs=env["kwargs"],
-                                habit_rate=env.get("bootstrap_habit_rate", 0.0), habit_seed=spec["seed"],
-                                detour_rate=env.get("bootstrap_detour_rate", 0.0), segments=env.get("bootstrap_loss") == "actions",
-                                random_ties=env.get("bootstrap_random_ties", False))
-        if not pairs:
-            raise ValueError(f"env {env['name']!r}: the scripted solver finished none of {env['bootstrap_episodes']} bootstrap "
-                             f"episodes within env.max_turns={env['max_turns']}; raise env.max_turns")
+        pairs = env_demonstrations(spec)
     else:
         rng = random.Random(spec["seed"])
         problems = make_problems("bootstrap", b["num_examples"], seed=spec["seed"])
         pairs = [(p.prompt, teacher_demonstration(p, rng, b["teacher_accuracy"])) for p in problems]
-    with Progress(TextColumn("bootstrap pre-training"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
-                  TimeRemainingColumn(), console=console) as progress:
-        bar = progress.add_task("sft", total=b["steps"], loss=float("nan"))
-        metrics = supervised_finetune(model, tok, pairs, steps=b["steps"], batch_size=b["batch_size"], lr=b["lr"], seed=spec["seed"],
-                                      on_step=lambda s, loss: progress.update(bar, completed=s + 1, loss=loss))
+    metrics = _finetune(model, tok, pairs, "bootstrap pre-training", steps=b["steps"], batch_size=b["batch_size"], lr=b["lr"],
+                        seed=spec["seed"])
     with tempfile.TemporaryDirectory() as d:
         save_policy(model, tok, d)
         store.publish(d, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
                       metadata={"bootstrap": b, "seed": spec["seed"], **metrics})
     console.print(f"[bold]bootstrap[/] published {key} ({metrics['bootstrap/seconds']:.0f}s, loss {metrics['bootstrap/loss']:.3f})")
+    return PolicyRef(key=key, version=0)
+
+
+def _imported(spec: dict, store: ArtifactStore, digest: str) -> str:
+    """The store key of `model.path`: a GGUF converted and published, a local model directory
+    published (once per content: `digest` covers its fingerprint), or a published checkpoint as is."""
+    path = spec["model"]["path"]
+    if path.startswith(("gguf:", "package:")):  # a GGUF file, or the one a package ships
+        return _import_gguf(path, store, f"models/import-{digest}/v0000", "model.path")
+    if not os.path.isdir(path):  # a store key or a URI inside this store
+        key = _store_key(path, store)
+        store.manifest(key)  # raises ArtifactNotFound with a clear message
+        return key
+    key = f"models/import-{digest}/v0000"
+    if store.exists(key):
+        console.print(f"[bold]bootstrap[/] reusing {key}")
+        return key
+    store.publish(path, key, kind="checkpoint", producer="bootstrap_policy", execution_id=execution_id(),
+                  metadata={"imported_from": path, "fingerprint": spec.get("model_fingerprints", {}).get("path")})
+    return key
+
+
+def env_demonstrations(spec: dict, fmt=None) -> list:
+    """The environment's scripted-solver episodes (env.bootstrap_episodes seeds from BOOTSTRAP_SEED0, the
+    env.bootstrap_* teacher settings) as (prompt, response) pairs laid out as the episodes will be,
+    framed by `fmt` (engines/env_manager.py ChatFormat) when given: the tiny policy's bootstrap and a
+    model's warm start train on them."""
+    env = spec["env"]
+    pairs = solved_episodes(env["name"], [BOOTSTRAP_SEED0 + i for i in range(env["bootstrap_episodes"])],
+                            max_turns=env["max_turns"], env_kwargs=env["kwargs"],
+                            habit_rate=env.get("bootstrap_habit_rate", 0.0), habit_seed=spec["seed"],
+                            detour_rate=env.get("bootstrap_detour_rate", 0.0), segments=env.get("bootstrap_loss") == "actions",
+                            random_ties=env.get("bootstrap_random_ties", False), fmt=fmt)
+    if not pairs:
+        raise ValueError(f"env {env['name']!r}: the scripted solver finished none of {env['bootstrap_episodes']} bootstrap "
+                         f"episodes within env.max_turns={env['max_turns']}; raise env.max_turns")
+    return pairs
+
+
+def _finetune(model, tok, pairs: list, label: str, **kwargs) -> dict[str, float]:
+    """engines/pretrain.py `supervised_finetune` with a progress bar (step, loss, time left)."""
+    with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
+                  TimeRemainingColumn(), console=console) as progress:
+        bar = progress.add_task("sft", total=kwargs["steps"], loss=float("nan"))
+        return supervised_finetune(model, tok, pairs, on_step=lambda s, loss: progress.update(bar, completed=s + 1, loss=loss),
+                                   **kwargs)
+
+
+def warm_start(spec: dict, store: ArtifactStore, source: str, digest: str) -> PolicyRef:
+    """`model.warm_start`: the model at store key `source` fine-tuned on the environment's solver
+    episodes (`env_demonstrations`, in the chat format when model.apply_chat_template), published as
+    models/warm-<digest>/v0000 with `source` as parent; reused when already there."""
+    from engines.env_manager import ChatFormat
+    from engines.modeling import load_policy, save_policy
+
+    key = f"models/warm-{digest}/v0000"
+    if store.exists(key):
+        console.print(f"[bold]warm start[/] reusing {key}")
+        return PolicyRef(key=key, version=0)
+    w = spec["model"]["warm_start"]
+    torch.set_num_threads(capped_threads(spec.get("threads") or os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory() as d:
+        model, tok = load_policy(store.fetch(source, os.path.join(d, "source")))
+        pairs = env_demonstrations(spec, ChatFormat.of(tok) if spec["model"]["apply_chat_template"] else None)
+        metrics = _finetune(model, tok, pairs, "warm start", steps=w["steps"], batch_size=w["batch_size"], lr=w["lr"],
+                            seed=spec["seed"])
+        save_policy(model, tok, os.path.join(d, "out"))
+        store.publish(os.path.join(d, "out"), key, kind="checkpoint", producer="bootstrap_policy", parents=[source],
+                      execution_id=execution_id(),
+                      metadata={"warm_start": w, "warm_started_from": source, "demonstrations": len(pairs), **metrics})
+    console.print(f"[bold]warm start[/] published {key} from {source} ({len(pairs)} demonstrations, "
+                  f"{metrics['bootstrap/seconds']:.0f}s, loss {metrics['bootstrap/loss']:.3f})")
     return PolicyRef(key=key, version=0)
 
 

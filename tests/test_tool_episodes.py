@@ -59,6 +59,32 @@ def test_tool_table_episode_refusal_then_real_call_then_answer_both_managers(tem
         assert first.count("# Tools") == 1 and first.count('"name": "calculator"') == 1
 
 
+@pytest.mark.parametrize("template", [QWEN25_TEMPLATE, PLAIN_TEMPLATE, None], ids=["qwen25-takes-tools", "ignores-tools", "no-chat"])
+def test_solved_episodes_in_the_chat_format_match_the_managers_layout(template):
+    """A warm start's demonstrations (solved_episodes with the chat format: tasks/prepare.py
+    `warm_start`) are exactly the text the manager builds when the policy plays the solver's moves:
+    the first prompt with the tools, each call cut at its stop string, each tool response framed as a
+    user turn; with segments the trained parts are exactly the actions."""
+    from engines.env_manager import solved_episodes
+    from engines.envs import make_env
+
+    tok = char_tokenizer(template or PLAIN_TEMPLATE)
+    fmt = ChatFormat.of(tok) if template else None
+    for seed in (3, 7):
+        env = make_env("tool_table")
+        env.reset(seed)
+        moves = tuple(env.solve())
+        assert moves[0].startswith("<tool_call>") and moves[-1].startswith("<answer>")
+        (ep,) = run_episodes(ScriptedToolEngine(tok, moves), tok, "tool_table", [seed], group_size=1, max_turns=4,
+                             max_context_tokens=8000, sampling=SAMPLING, chat=fmt is not None)
+        (prompt, response), = solved_episodes("tool_table", [seed], max_turns=4, fmt=fmt)
+        assert ep.success and ep.actions == list(moves)
+        assert (prompt, response) == (ep.prompt, tok.decode(ep.response_token_ids))
+        (_, parts), = solved_episodes("tool_table", [seed], max_turns=4, fmt=fmt, segments=True)
+        assert [text for text, trained in parts if trained] == ep.actions
+        assert [text for text, trained in parts if not trained] == ep.env_replies
+
+
 def test_tools_takes_tools_probe():
     assert ChatFormat.of(char_tokenizer(QWEN25_TEMPLATE)).takes_tools and ChatFormat.of(char_tokenizer(LISTING_TEMPLATE)).takes_tools
     assert not ChatFormat.of(char_tokenizer(PLAIN_TEMPLATE)).takes_tools

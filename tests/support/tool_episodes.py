@@ -55,13 +55,13 @@ SAMPLING = SamplingParams(max_new_tokens=200)
 
 
 class ScriptedToolEngine:
-    """Turn k of an episode (k = tool responses + refusals in its prompt so far): a malformed call, a
-    real calculator call, then the answer, each followed by text the stop strings must cut. Cuts at
-    the first stop string as HFGenerationEngine does (at the token that completes it); a function of
-    the prompt only, so deterministic under any batching."""
+    """Turn k of an episode (k = tool responses + refusals in its prompt so far): `script[k]` (by
+    default a malformed call, a real calculator call, then the answer), each followed by text the stop
+    strings must cut. Cuts at the first stop string as HFGenerationEngine does (at the token that
+    completes it); a function of the prompt only, so deterministic under any batching."""
 
-    def __init__(self, tok):
-        self.tok, self.stops = tok, []
+    def __init__(self, tok, script: tuple[str, ...] = (MALFORMED, CALL, ANSWER)):
+        self.tok, self.script, self.stops = tok, script, []
 
     def generate(self, prompt_token_ids, params, abort=None):
         self.stops.append(tuple(params.stop))
@@ -69,7 +69,7 @@ class ScriptedToolEngine:
         for i, p in enumerate(prompt_token_ids):
             prompt = self.tok.decode(p)
             k = prompt.count("<tool_response>") + prompt.count("invalid:")
-            ids = self.tok([MALFORMED, CALL, ANSWER][min(k, 2)] + AFTER, add_special_tokens=False)["input_ids"]
+            ids = self.tok(self.script[min(k, len(self.script) - 1)] + AFTER, add_special_tokens=False)["input_ids"]
             for end in range(1, len(ids) + 1):
                 if any(s in self.tok.decode(ids[:end]) for s in params.stop):
                     ids = ids[:end]
