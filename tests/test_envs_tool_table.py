@@ -25,6 +25,25 @@ def test_tables_are_seeded_and_the_teacher_expression_computes_the_answer():
         assert abs(Fraction(calculate(expression)) - value) < Fraction(1, 10 ** 6), seed
 
 
+def test_kinds_keep_a_subset_of_the_questions():
+    """`kinds` draws the question from a subset; the default gives every kind, and a subset's tables
+    are still solved by the teacher's expression. An unknown kind is refused, naming the known ones."""
+    from engines.envs.tool_table import KINDS
+
+    starts = {"value_above": "What is the total value", "total_quantity": "How many",
+              "average_price": "What is the average price", "stock_difference": "What is the stock value"}
+    assert {next(k for k, s in starts.items() if make_table(seed)[1].startswith(s)) for seed in range(40)} == set(KINDS)
+    for kinds in (("total_quantity",), ("average_price", "stock_difference")):
+        for seed in range(40):
+            rows, question, value, expression = make_table(seed, kinds)
+            assert any(question.startswith(starts[k]) for k in kinds), (kinds, question)
+            assert abs(Fraction(calculate(expression)) - value) < Fraction(1, 10 ** 6)
+    env = make_env("tool_table", kinds=["total_quantity"])
+    assert env.reset(2).rstrip().endswith("(the sum of their quantities)?")
+    with pytest.raises(ValueError, match="expected a non-empty subset of .*total_quantity"):
+        make_env("tool_table", kinds=["median"])
+
+
 def test_episode_tool_call_then_answer():
     env = make_env("tool_table")
     obs = env.reset(3)

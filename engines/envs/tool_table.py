@@ -3,7 +3,8 @@
 Each episode is a table of 6-9 shop items (item, category, price, quantity) and one question that
 needs several operations: the total value (price × quantity) of the items of a category with a
 quantity above a bound, the total quantity of a category, the average price of a category, or the
-stock value of the most expensive category item minus the cheapest one's. The policy calls tools
+stock value of the most expensive category item minus the cheapest one's (``kinds`` keeps a subset:
+``value_above``, ``total_quantity``, ``average_price``, ``stock_difference``). The policy calls tools
 in the Qwen2.5 / Hermes format (``engines/tool_calls.py``) and ends the episode with
 ``<answer>NUMBER</answer>``: reward ``correct_reward`` when it is within ``tolerance`` of the true
 value, 0 otherwise. A tool result comes back as ``<tool_response>...</tool_response>`` (what
@@ -44,9 +45,17 @@ ITEMS = {
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def make_table(seed: int) -> tuple[list[tuple[str, str, Fraction, int]], str, Fraction, str]:
+KINDS = ("value_above", "total_quantity", "average_price", "stock_difference")   # the question kinds, in draw order
+
+
+def make_table(seed: int, kinds: tuple[str, ...] = KINDS) -> tuple[list[tuple[str, str, Fraction, int]], str, Fraction, str]:
     """(rows, question, value, expression) for ``seed``: rows are (item, category, price, quantity);
-    ``expression`` computes ``value`` from the rows (the teacher's calculator input)."""
+    ``expression`` computes ``value`` from the rows (the teacher's calculator input). The question's
+    kind is drawn from ``kinds`` (``KINDS``, all four by default: the same tables and questions as a
+    subset gives for the seeds whose draw it keeps)."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"tool_table kinds: {list(kinds)!r}; expected a non-empty subset of {list(KINDS)}")
     rng = random.Random(seed)
     cats = rng.sample(sorted(ITEMS), 3)
     rows = []
@@ -56,7 +65,7 @@ def make_table(seed: int) -> tuple[list[tuple[str, str, Fraction, int]], str, Fr
     rng.shuffle(rows)
     cat = rng.choice(cats)
     mine = [r for r in rows if r[1] == cat]
-    kind = rng.randrange(4)
+    kind = KINDS.index(kinds[rng.randrange(len(kinds))])
     if kind == 0:
         bound = rng.choice(sorted({r[3] for r in mine}))
         bound = max(bound - 1, 0)
@@ -104,8 +113,10 @@ class ToolTable:
 
     def __init__(self, invalid_penalty: float = INVALID_PENALTY, correct_reward: float = 1.0, tolerance: float = 0.01,
                  python: bool = False, describe_tools: bool = True, python_timeout_s: float = 3.0,
-                 allow_weaker: str | None = None, allow_text: bool = False):
+                 allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = KINDS):
         self.invalid_penalty, self.correct_reward, self.tolerance = invalid_penalty, correct_reward, Fraction(tolerance)
+        self.kinds = tuple(kinds)
+        make_table(0, self.kinds)   # an unknown kind is refused here, naming the known ones
         self.allow_text = allow_text
         tools = [calculator_tool()]
         if python:
@@ -122,7 +133,7 @@ class ToolTable:
         self.done = False
 
     def reset(self, seed: int) -> str:
-        self.rows, self.question, self.value, self.expression = make_table(seed)
+        self.rows, self.question, self.value, self.expression = make_table(seed, self.kinds)
         self.results, self.done = [], False
         return f"{render_table(self.rows)}\n\n{self.question}\n"
 
@@ -171,4 +182,4 @@ def _is_number(text: str) -> bool:
     return parse_answer(text) is not None
 
 
-__all__ = ["ToolTable", "make_table", "render_table", "parse_answer"]
+__all__ = ["KINDS", "ToolTable", "make_table", "render_table", "parse_answer"]
