@@ -48,14 +48,19 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 KINDS = ("value_above", "total_quantity", "average_price", "stock_difference")   # the question kinds, in draw order
 
 
+def check_kinds(kinds) -> tuple[str, ...]:
+    """`kinds` as a tuple; a ValueError naming the known ones unless it is a non-empty subset of KINDS."""
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"tool_table kinds: {list(kinds)!r}; expected a non-empty subset of {list(KINDS)}")
+    return tuple(kinds)
+
+
 def make_table(seed: int, kinds: tuple[str, ...] = KINDS) -> tuple[list[tuple[str, str, Fraction, int]], str, Fraction, str]:
     """(rows, question, value, expression) for ``seed``: rows are (item, category, price, quantity);
     ``expression`` computes ``value`` from the rows (the teacher's calculator input). The question's
     kind is drawn from ``kinds`` (``KINDS``, all four by default: the same tables and questions as a
     subset gives for the seeds whose draw it keeps)."""
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise ValueError(f"tool_table kinds: {list(kinds)!r}; expected a non-empty subset of {list(KINDS)}")
+    check_kinds(kinds)
     rng = random.Random(seed)
     cats = rng.sample(sorted(ITEMS), 3)
     rows = []
@@ -115,8 +120,7 @@ class ToolTable:
                  python: bool = False, describe_tools: bool = True, python_timeout_s: float = 3.0,
                  allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = KINDS):
         self.invalid_penalty, self.correct_reward, self.tolerance = invalid_penalty, correct_reward, Fraction(tolerance)
-        self.kinds = tuple(kinds)
-        make_table(0, self.kinds)   # an unknown kind is refused here, naming the known ones
+        self.kinds = check_kinds(kinds)   # an unknown kind is refused here, not at the first reset
         self.allow_text = allow_text
         tools = [calculator_tool()]
         if python:
