@@ -9,8 +9,10 @@ away after the step and the live sync that reads the weights, and back before th
   every update zeroes them with `set_to_none` before its first backward, so nothing is lost);
 - `params`: the parameters too (tied ones are one parameter, moved once).
 
-Where they go: from a CUDA device to host memory (pinned when it can be); from the CPU to a file
-under `folder` (torch.save), since on a CPU host only leaving the process's memory lowers its RSS.
+Where they go: from a CUDA device to host memory (pinned when it can be); from the CPU to an unnamed
+temporary file in `folder` (torch.save; `tempfile.TemporaryFile`, O_TMPFILE on Linux), since on a CPU
+host only leaving the process's memory lowers its RSS. The file has no name, so the kernel frees it when
+the actor ends however it ends: a killed or OOM-killed actor leaves no gigabytes behind in the temp dir.
 The device side keeps empty tensors of the recorded dtype, so an update run while offloaded fails
 on a shape error instead of silently starting AdamW afresh. `reload` puts the very tensors back
 (torch.save / load round-trips bitwise); the engine then steps exactly as if nothing had moved
@@ -31,15 +33,14 @@ def offload_engines(offload: "TrainStateOffload | None", engines: dict, mode: st
                     keep_params: bool = False) -> "tuple[TrainStateOffload | None, int]":
     """What a training actor does for `placement.offload_train` = `mode`: move `PARTS[mode]` of
     `engines` ({name: engine or None}) away, the parameters not while `keep_params`, with `offload`
-    (created, with a folder in the temp dir, on first use). Returns (the offload, bytes moved)."""
+    (created, writing to the temp dir, on first use). Returns (the offload, bytes moved)."""
     import tempfile
 
     parts = tuple(p for p in PARTS[mode] if not (keep_params and p == "params"))
     if not parts:
         return offload, 0
     if offload is None:
-        offload = TrainStateOffload({k: e for k, e in engines.items() if e is not None},
-                                    tempfile.mkdtemp(prefix="flyroll-offload-"))
+        offload = TrainStateOffload({k: e for k, e in engines.items() if e is not None}, tempfile.gettempdir())
     return offload, offload.offload(parts)
 
 
@@ -52,7 +53,7 @@ class TrainStateOffload:
 
     def __init__(self, engines: dict, folder: str):
         self.engines, self.folder = engines, folder
-        self.away: dict[tuple[str, str], object] = {}   # (engine, part) -> a file path, or host tensors (CUDA)
+        self.away: dict[tuple[str, str], object] = {}   # (engine, part) -> an open unnamed file, or host tensors (CUDA)
 
     @property
     def offloaded(self) -> set[str]:
@@ -83,11 +84,12 @@ class TrainStateOffload:
         """Put every offloaded part back, bitwise as it left."""
         for (name, part), where in list(self.away.items()):
             engine = self.engines[name]
-            if isinstance(where, str):
-                tensors = torch.load(where, weights_only=True, map_location="cpu")
-                os.remove(where)
-            else:
+            if isinstance(where, dict):
                 tensors = where
+            else:
+                where.seek(0)
+                tensors = torch.load(where, weights_only=True, map_location="cpu")
+                where.close()
             device = {k: t.device for k, t in self._tensors(engine, part).items()}  # the empty placeholders'
             self._assign(engine, part, {k: t.to(device[k], non_blocking=True) for k, t in tensors.items()})
             del self.away[(name, part)]
@@ -95,10 +97,10 @@ class TrainStateOffload:
             torch.cuda.synchronize()
 
     def discard(self) -> None:
-        """Forget what is away (the engines were replaced): its files are removed."""
+        """Forget what is away (the engines were replaced): its files are closed, which frees them."""
         for where in self.away.values():
-            if isinstance(where, str) and os.path.exists(where):
-                os.remove(where)
+            if not isinstance(where, dict):
+                where.close()
         self.away.clear()
 
     @staticmethod
@@ -124,7 +126,14 @@ class TrainStateOffload:
         if any(t.device.type == "cuda" for t in tensors.values()):
             pin = torch.cuda.is_available()
             return {k: t.to("cpu").pin_memory() if pin else t.to("cpu") for k, t in tensors.items()}
+        import tempfile
+
         os.makedirs(self.folder, exist_ok=True)
-        path = os.path.join(self.folder, f"{name}-{part}.pt")
-        torch.save(tensors, path)
-        return path
+        f = tempfile.TemporaryFile(prefix=f"flyroll-offload-{name}-{part}-", dir=self.folder)
+        try:
+            torch.save(tensors, f)
+            f.flush()
+        except BaseException:
+            f.close()  # a full disk: nothing is left half-written
+            raise
+        return f

@@ -228,6 +228,7 @@ class SeaweedS3(_Process):
     detach: bool = False
     start_timeout_s: float = 60.0
     grace_s: float = 2.0
+    min_free_space: str = "256MiB"  # weed's -volume.minFreeSpace: below it every volume turns read-only
     name: str = "SeaweedFS"
     port: int = 0
     start_s: float = 0.0  # seconds until the S3 port answered
@@ -281,6 +282,7 @@ class SeaweedS3(_Process):
                f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}",
                "-volume.max=0", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
+               f"-volume.minFreeSpace={self.min_free_space}",  # weed's default, 1% of the disk, is GBs on a big one
                "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
                "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.config={config}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={p['metrics']}"]
@@ -307,9 +309,12 @@ class SeaweedS3(_Process):
             except Exception as e:  # noqa: BLE001 - the server is still coming up
                 last = e
                 time.sleep(0.2)
+        free = shutil.disk_usage(self.data_dir).free
+        log = _log_tail(self.log_path)  # before stop, which removes a folder of its own
         self.stop()
-        raise ServiceError(f"SeaweedFS: could not create bucket {self.bucket!r} within "
-                           f"{self.start_timeout_s:.0f}s ({last!r}); log {self.log_path}:\n{_log_tail(self.log_path)}")
+        raise ServiceError(f"SeaweedFS: could not create bucket {self.bucket!r} within {self.start_timeout_s:.0f}s "
+                           f"({last!r}); the data folder's disk has {free / 2**20:.0f} MiB free (the volume server "
+                           f"turns read-only below {self.min_free_space}); log {self.log_path}:\n{log}")
 
     def stop(self) -> None:
         self._stop_process(self.grace_s)

@@ -110,3 +110,50 @@ def test_train_and_reference_offload_that_cannot_take_effect_is_refused_naming_t
         with pytest.raises(ValueError, match=rf"placement.{field}={shown} with FLYROLL_RAY=per-task and loop.fuse=1"):
             parse_config({"placement": {**both, field: value}})
         assert parse_config({"placement": {**both, field: value}, "loop": {"fuse": 2}}).loop.fuse == 2
+
+
+_KILLED_CHILD = """
+import sys, time, torch
+from engines.modeling import build_tiny_policy
+from engines.offload import TrainStateOffload
+from engines.training import TorchTrainEngine
+from tests.support.engines import rl_batch
+from engines.algorithms.config import AlgorithmConfig
+torch.set_num_threads(1)
+model, tok = build_tiny_policy(hidden_size=256, num_layers=2, num_heads=4, max_positions=128, seed=0)
+engine = TorchTrainEngine(model, lr=1e-3)
+b, adv, old, ref = rl_batch(tok, model)
+engine.train_step(b, adv, old, ref, AlgorithmConfig(), mini_batch_size=4, max_tokens_per_micro_batch=64, seed=0)
+offload = TrainStateOffload({"actor": engine}, sys.argv[1])
+print(offload.offload(("optimizer", "params")), flush=True)
+time.sleep(600)
+"""
+
+
+def test_state_offloaded_by_a_killed_actor_leaves_no_file_behind(tmp_path):
+    """The offloaded state lives in unnamed files: while away it is on disk (the process holds deleted
+    files of its size) yet nothing is named in the folder, and a SIGKILLed process (ray.kill, the OOM
+    killer) leaves the folder empty: before, each killed SmolLM2 actor left 1.6 GB in the temp dir."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    folder = tmp_path / "offload"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(folder)], stdout=subprocess.PIPE, text=True,
+                             cwd=root, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    try:
+        moved = int(child.stdout.readline())
+        assert moved > 1_000_000
+        held = 0
+        for fd in os.listdir(f"/proc/{child.pid}/fd"):
+            target = os.readlink(f"/proc/{child.pid}/fd/{fd}")
+            if target.startswith(str(folder)):
+                held += os.stat(f"/proc/{child.pid}/fd/{fd}").st_size
+        assert held >= moved, (held, moved)   # the state is in files of the folder ...
+        assert list(folder.iterdir()) == []   # ... that have no name there
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert list(folder.iterdir()) == []
