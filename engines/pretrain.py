@@ -26,7 +26,7 @@ def supervised_finetune(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, float]:
-    """Train `model` in place on `pairs` for `steps` AdamW steps (cosine LR); returns final metrics.
+    """Train `model` in place on `pairs` for `steps` AdamW steps (warmup, then cosine LR); returns final metrics.
     A response is a string (every token trained) or a list of (text, trained) segments, each
     tokenised on its own as the environment manager tokenises turns; only the tokens of trained
     segments carry loss (the EOS when the last segment is trained), e.g. a policy's actions and not
@@ -45,7 +45,10 @@ def supervised_finetune(
 
     encoded = [(tokenizer(p, add_special_tokens=False)["input_ids"], *encode(r)) for p, r in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    # warm up over the first 10% of the steps (at least two: OneCycleLR divides by a phase's length, so with
+    # 10 steps or fewer a 10% warmup is an empty phase), then cosine down; under 3 steps the LR stays at `lr`
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=max(0.1, 2 / steps)) \
+        if steps >= 3 else None
     device = next(model.parameters()).device  # the batches are built on CPU; a CUDA model needs them moved
     model.train()
     t0, loss_ema = time.perf_counter(), None
@@ -58,7 +61,8 @@ def supervised_finetune(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         value = loss.item()
         loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
         if on_step is not None:

@@ -27,6 +27,19 @@ def test_supervised_finetune_lowers_the_loss():
     assert not model.training
 
 
+def test_supervised_finetune_takes_any_number_of_steps():
+    """A short warm start (model.warm_start.steps) is a valid config: 10 steps raised ZeroDivisionError in
+    OneCycleLR (a 10% warmup of 10 steps is a phase of length 0), and every count must run and learn."""
+    for steps in (1, 2, 3, 9, 10, 11, 19):
+        model, tok = build_tiny_policy(**TINY, seed=1)
+        losses = []
+        supervised_finetune(model, tok, [("1+2=", "3")], steps=steps, batch_size=4, lr=3e-3,
+                            on_step=lambda step, loss: losses.append(loss))
+        assert len(losses) == steps and all(loss == loss for loss in losses)   # ran every step, no NaN
+        if steps >= 3:
+            assert losses[-1] < losses[0], (steps, losses)
+
+
 def test_supervised_finetune_trains_only_the_marked_segments():
     """A response given as (text, trained) segments: as a string when every segment is trained; an
     untrained segment's tokens carry no loss (what it says cannot change the update), a trained one's do.
