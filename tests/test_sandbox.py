@@ -152,7 +152,22 @@ def test_busy_child_left_behind_is_killed():
     assert time.monotonic() - t0 < 2.5    # did not wait for the child until the timeout
     # the autouse fixture then checks that no process of the run is alive
 
-    escape = code.replace("    while True:", "    try:\n        os.setsid()\n    except PermissionError:\n        pass\n    while True:")
+    # the parent waits until the child has tried its setsid (else, on a busy host, the parent can exit and
+    # the child be killed before it ever runs: nothing refused, nothing to record)
+    escape = textwrap.dedent("""
+        import os
+        r, w = os.pipe()
+        if os.fork() == 0:
+            try:
+                os.setsid()
+            except PermissionError:
+                pass
+            os.write(w, b"x")
+            while True:
+                pass
+        os.read(r, 1)
+        print("parent done")
+    """)
     v = run_program(escape, timeout_s=3)
     assert refused(v, caught=True), v    # the refused setsid is recorded even though it was caught
 
