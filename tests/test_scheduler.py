@@ -118,9 +118,11 @@ def test_aborted_requests_release_their_engine(tiny_policy):
 
 def test_a_raising_or_hanging_reward_neither_delays_nor_loses_the_other_groups(tiny_policy):
     gen, rew, _ = _sides(tiny_policy, timeout_s=2.0, reward_threads=4)
-    res = RolloutScheduler(gen, rew, [], want=4, max_prompts=6, chunk_size=6).run(_prompts(6, special=("hang", "boom")))
-    kept = {g.index for g in res.kept}  # 4 of the 5 good groups, in completion order (4 reward threads)
-    assert len(kept) == 4 and 1 in kept and 0 not in kept  # the raising group is scored 0 and flagged, not lost
+    res = RolloutScheduler(gen, rew, [], want=5, max_prompts=6, chunk_size=6).run(_prompts(6, special=("hang", "boom")))
+    # every group but the hung one (want=5: with want=4 the kept ones depended on which reward thread
+    # finished first, and a raising reward's error path is not always the fastest on a busy box)
+    kept = {g.index for g in res.kept}
+    assert kept == {1, 2, 3, 4, 5}  # the raising group is scored 0 and flagged, not lost
     boom = res.groups[1]
     assert boom.rewards == [0.0] * G and all("broken reward" in e for e in boom.errors)
     assert res.groups[0].status == ABORTED  # returned without waiting for the hung reward's timeout
