@@ -30,6 +30,7 @@ from infra.resources import task_resources
 from tasks.common import check_columns, config_of, execution_id, stage, store_of
 from tasks.hybrid import role_actors
 from tasks.keys import rollout_table_key
+from tasks.replay import update_args
 from tasks.types import PolicyRef, RunSpec
 
 
@@ -55,7 +56,8 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         width = tensors.input_ids.shape[1] - tensors.responses.shape[1] + int(tensors.response_lengths.max())  # P + longest response
         mb = max(1, cfg.training.max_tokens_per_micro_batch // max(1, width))
         rows = ray.put(tensors)
-        computed = dict(zip(models, ray.get([worker.logprobs.remote(role, rows, mb) for role in models])))
+        temperature = update_args(cfg, iteration)["temperature"]   # the update's: π_old, π_ref and π_θ alike
+        computed = dict(zip(models, ray.get([worker.logprobs.remote(role, rows, mb, temperature) for role in models])))
         old_lp = computed.get("policy", [list(x) for x in batch["behaviour_logprobs"]])
         ref_lp = computed.get("reference", old_lp)
         metrics["reference/forwards"] = float(len(models))

@@ -354,11 +354,14 @@ class ReferenceWorker:
         self.models.clear()
         release_allocator_caches()
 
-    def logprobs(self, which: str, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:
-        """Log-probs of model `which` on every response token of `batch` (a RolloutBatch), one list per row."""
+    def logprobs(self, which: str, batch: RolloutBatch, micro_batch: int, temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of model `which` on every response token of `batch` (a RolloutBatch), one list per row,
+        under softmax(logits / `temperature`): the sampling temperature, as the update computes the
+        policy's (a π_old or KL reference at another temperature differs from the policy at equal weights)."""
         from engines.batching import batched_logprobs
 
-        lp = batched_logprobs(self.models[which][1], batch.tokens(loss_mask=False), micro_batch=micro_batch)
+        lp = batched_logprobs(self.models[which][1], batch.tokens(loss_mask=False), micro_batch=micro_batch,
+                              temperature=temperature)
         return [lp[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
     def values(self, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:

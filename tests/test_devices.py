@@ -247,6 +247,32 @@ def test_reference_worker_in_bf16_gives_float32_logprobs(tiny_policy, published)
     assert got["float32"] != got["bfloat16"]
 
 
+
+def test_reference_logprobs_are_taken_at_the_sampling_temperature(tiny_policy, published):
+    """At rollout.temperature 0.7 the reference stage's π_old and π_ref are log-softmax(logits / 0.7), as the
+    update's π_θ and the engine's behaviour log-probs are: at equal weights they agree (the PPO ratio
+    starts at 1, the KL at 0). Before, they were taken at temperature 1 (a SmolLM2 run at 0.7 showed
+    reference/kl_k3 0.70 at iteration 1, where policy and reference were the same weights)."""
+    import pandas as pd
+
+    from engines.generation import HFGenerationEngine, SamplingParams
+    from engines.rollout_batch import RolloutBatch
+    from tasks.workers import ReferenceWorker
+
+    model, tok = tiny_policy
+    _, spec, key, _ = published
+    prompts = [tok.encode(p) for p in ("12+7=", "3*4=", "rev abc=")]
+    out = HFGenerationEngine(model, tok).generate(prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=3))
+    table = pd.DataFrame({"prompt_token_ids": [prompts[c.prompt_index] for c in out],
+                          "response_token_ids": [c.token_ids for c in out]})
+    worker = ReferenceWorker.__ray_actor_class__(threads=1)
+    worker.load("reference", spec, key)
+    batch = RolloutBatch.from_table(table, worker.pad_id())
+    at_07, at_1 = worker.logprobs("reference", batch, 4, temperature=0.7), worker.logprobs("reference", batch, 4)
+    gap = max(abs(a - b) for c, row in zip(out, at_07) for a, b in zip(c.logprobs, row))
+    assert all(len(c.logprobs) == len(row) for c, row in zip(out, at_07)) and gap < 1e-4, gap
+    assert max(abs(a - b) for c, row in zip(out, at_1) for a, b in zip(c.logprobs, row)) > 0.05
+
 def test_generation_worker_in_bf16_generates_and_takes_float32_weights(tiny_policy, published, tmp_path):
     """GenerationWorker with devices {actor_infer: (cpu, bfloat16)}: bf16 weights, valid tokens and
     float32 log-probs; an in-place update from a float32 checkpoint (the weight-sync path) casts."""
