@@ -373,7 +373,6 @@ def test_abort_from_another_thread_stops_generate_and_frees_the_engine(on_policy
     all), vLLM holds no request afterwards, and the next call repeats the first one (same tokens and
     finish reasons; log-probs to 1e-5, vLLM's run-to-run noise on CPU being ~5e-7)."""
     import threading
-    import time
 
     from engines.generation import SamplingParams
 
@@ -381,12 +380,21 @@ def test_abort_from_another_thread_stops_generate_and_frees_the_engine(on_policy
     ids = encode(tok, [f"{i}+{i}=" for i in range(16)])
     long = SamplingParams(n=8, temperature=1.0, max_new_tokens=112, seed=0)   # 128 rows, up to 112 tokens each
     full = on_policy_a.generate(ids, long)
-    event = threading.Event()
+    stepping = threading.Event()
 
-    def abort_soon():  # once the call's requests are in the engine, a few decode steps later
-        while not engine.has_unfinished_requests():
-            time.sleep(0.001)
-        time.sleep(0.3)
+    class Polled(threading.Event):   # generate polls it once per engine step: `stepping` marks the 5th
+        polls = 0
+
+        def is_set(self):
+            self.polls += 1
+            if self.polls >= 5:
+                stepping.set()
+            return super().is_set()
+
+    event = Polled()
+
+    def abort_soon():  # a few decode steps in, counted in engine steps (a wall-clock delay of 0.3 s let
+        stepping.wait(60)  # 54% of the tokens through on a busy box), set from this other thread
         event.set()
 
     thread = threading.Thread(target=abort_soon)
