@@ -14,7 +14,7 @@ from tests.support.workflow import REPO
 MARGIN_SOKOBAN = 0.0625
 
 ENVS = ("frozenlake", "sokoban", "tool_math")
-PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2", "webshop"]
+PRESETS = [f"{e}{suffix}" for e in ENVS for suffix in ("", "_smollm2")] + ["tool_table_smollm2", "webshop", "webshop_smollm2"]
 
 
 @pytest.mark.parametrize("name", PRESETS)
