@@ -23,6 +23,7 @@ on a shape error instead of silently starting AdamW afresh. `reload` puts the ve
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
@@ -34,8 +35,6 @@ def offload_engines(offload: "TrainStateOffload | None", engines: dict, mode: st
     """What a training actor does for `placement.offload_train` = `mode`: move `PARTS[mode]` of
     `engines` ({name: engine or None}) away, the parameters not while `keep_params`, with `offload`
     (created, writing to the temp dir, on first use). Returns (the offload, bytes moved)."""
-    import tempfile
-
     parts = tuple(p for p in PARTS[mode] if not (keep_params and p == "params"))
     if not parts:
         return offload, 0
@@ -126,8 +125,6 @@ class TrainStateOffload:
         if any(t.device.type == "cuda" for t in tensors.values()):
             pin = torch.cuda.is_available()
             return {k: t.to("cpu").pin_memory() if pin else t.to("cpu") for k, t in tensors.items()}
-        import tempfile
-
         os.makedirs(self.folder, exist_ok=True)
         f = tempfile.TemporaryFile(prefix=f"flyroll-offload-{name}-{part}-", dir=self.folder)
         try:

@@ -139,10 +139,11 @@ def test_state_offloaded_by_a_killed_actor_leaves_no_file_behind(tmp_path):
     import subprocess
     import sys
 
+    from tests.support.workflow import REPO
+
     folder = tmp_path / "offload"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(folder)], stdout=subprocess.PIPE, text=True,
-                             cwd=root, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     try:
         moved = int(child.stdout.readline())
         assert moved > 1_000_000
