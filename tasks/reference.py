@@ -71,16 +71,30 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
             ray.get(worker.release.remote())
         df = with_logprobs(batch, ref_lp, old_lp, values)
         check_columns(df, "rollout", "scoring", "reference", at="leaving reference_forward")
-        beh = np.concatenate([np.asarray(x, dtype=np.float64) for x in batch["behaviour_logprobs"]] or [np.zeros(0)])
-        old = np.concatenate([np.asarray(x, dtype=np.float64) for x in old_lp] or [np.zeros(0)])
-        ref = np.concatenate([np.asarray(x, dtype=np.float64) for x in ref_lp] or [np.zeros(0)])
-        if old.size:
-            metrics["reference/kl_k3"] = float(np.mean(np.exp(ref - old) - (ref - old) - 1))
-            if "policy" in models:  # else old is the behaviour column itself (the trainer measures it)
-                metrics["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
+        metrics.update(logprob_metrics(batch, ref_lp, old_lp, policy_forward="policy" in models))
         publish_rollout_table(spec, df, generator or policy, iteration, reference.key if "reference" in models else None,
                               trainer=policy)
     return df
+
+
+def logprob_metrics(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list, policy_forward: bool) -> dict[str, float]:
+    """`reference/kl_k3` (mean k3 estimate of KL(π_old ‖ π_ref)) and, when the policy forward ran
+    (`policy_forward`; else `old_logprobs` is the behaviour column itself and the trainer measures the
+    gap), `reference/behaviour_logprob_diff` (max |π_old − behaviour|), over the tokens the loss sees:
+    an agentic row's environment tokens (`loss_mask` 0) have no behaviour log-prob (the column holds
+    0.0 there), so counting them would report the observations' log-probs as KL."""
+    def flat(rows) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype=np.float64) for x in rows] or [np.zeros(0)])
+
+    old, ref, beh = flat(old_logprobs), flat(ref_logprobs), flat(batch["behaviour_logprobs"])
+    keep = flat(batch["loss_mask"]) > 0 if "loss_mask" in batch.columns else np.ones(old.size, dtype=bool)
+    old, ref, beh = old[keep], ref[keep], beh[keep]
+    if not old.size:
+        return {}
+    out = {"reference/kl_k3": float(np.mean(np.exp(ref - old) - (ref - old) - 1))}
+    if policy_forward:
+        out["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
+    return out
 
 
 def with_logprobs(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list, values: list | None = None) -> pd.DataFrame:

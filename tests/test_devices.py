@@ -251,8 +251,7 @@ def test_reference_worker_in_bf16_gives_float32_logprobs(tiny_policy, published)
 def test_reference_logprobs_are_taken_at_the_sampling_temperature(tiny_policy, published):
     """At rollout.temperature 0.7 the reference stage's π_old and π_ref are log-softmax(logits / 0.7), as the
     update's π_θ and the engine's behaviour log-probs are: at equal weights they agree (the PPO ratio
-    starts at 1, the KL at 0). Before, they were taken at temperature 1 (a SmolLM2 run at 0.7 showed
-    reference/kl_k3 0.70 at iteration 1, where policy and reference were the same weights)."""
+    starts at 1, the KL at 0). Before, they were taken at temperature 1."""
     import pandas as pd
 
     from engines.generation import HFGenerationEngine, SamplingParams
@@ -272,6 +271,31 @@ def test_reference_logprobs_are_taken_at_the_sampling_temperature(tiny_policy, p
     gap = max(abs(a - b) for c, row in zip(out, at_07) for a, b in zip(c.logprobs, row))
     assert all(len(c.logprobs) == len(row) for c, row in zip(out, at_07)) and gap < 1e-4, gap
     assert max(abs(a - b) for c, row in zip(out, at_1) for a, b in zip(c.logprobs, row)) > 0.05
+
+
+def test_reference_metrics_count_only_the_policys_tokens():
+    """`reference/kl_k3` and `reference/behaviour_logprob_diff` are over the tokens the loss sees: an
+    agentic row's environment tokens (loss_mask 0, behaviour log-prob 0.0 by convention) left out; a row
+    without `loss_mask` (RLVR) counts every response token."""
+    import math
+
+    import pandas as pd
+
+    from tasks.reference import logprob_metrics
+
+    behaviour = [[-1.0, -2.0, 0.0, 0.0, -0.5], [-0.3, 0.0]]
+    old = [[-1.0, -2.0, -6.0, -4.0, -0.5], [-0.3, -9.0]]        # the policy forward scores the observations too
+    ref = [[-1.0, -2.0, -6.0, -4.0, -0.7], [-0.3, -9.0]]        # one action token differs by 0.2
+    agentic = pd.DataFrame({"behaviour_logprobs": behaviour, "loss_mask": [[1, 1, 0, 0, 1], [1, 0]]})
+    m = logprob_metrics(agentic, ref, old, policy_forward=True)
+    assert m["reference/kl_k3"] == pytest.approx((math.exp(-0.2) + 0.2 - 1) / 4)
+    assert m["reference/behaviour_logprob_diff"] == 0.0
+    assert "reference/behaviour_logprob_diff" not in logprob_metrics(agentic, ref, old, policy_forward=False)
+    rlvr = pd.DataFrame({"behaviour_logprobs": [[-1.0, -2.5]]})
+    m = logprob_metrics(rlvr, [[-1.0, -2.0]], [[-1.0, -2.0]], policy_forward=True)
+    assert m == {"reference/kl_k3": 0.0, "reference/behaviour_logprob_diff": 0.5}
+    nothing = pd.DataFrame({"behaviour_logprobs": [[0.0]], "loss_mask": [[0]]})
+    assert logprob_metrics(nothing, [[-3.0]], [[-3.0]], policy_forward=True) == {}
 
 def test_generation_worker_in_bf16_generates_and_takes_float32_weights(tiny_policy, published, tmp_path):
     """GenerationWorker with devices {actor_infer: (cpu, bfloat16)}: bf16 weights, valid tokens and
