@@ -1,0 +1,181 @@
+"""FlyrollConfig's cross-section checks (its validator calls `check_config`): settings that are each
+valid but do not work together, RLVR-only options an agentic run would ignore, and what the data
+section says about the train split before it is built. Each refusal (ValueError) names the field,
+the value and what to set instead. The section classes live in configs/schema.py; these take the
+config as built there."""
+
+from __future__ import annotations
+
+from configs.hand_off import check_hand_off
+from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
+
+
+def check_config(cfg) -> None:
+    """Refuse (ValueError, naming the fields) settings that are each valid but do not work together."""
+    from engines.synthetic import DOMAINS
+
+    check_hand_off(cfg)
+    split = cfg.rollout.partial_rollout_max_split
+    if split > 1:
+        refused = [name for name, on in (
+            ("env (the agentic workflow)", cfg.env is not None),
+            ("algorithm.filter_groups (dynamic sampling)", cfg.algorithm.filter_groups),
+            ("rollout.score_while_generating (the rollout scheduler)", cfg.rollout.score_while_generating),
+            (f"pipeline.off_policy_steps={cfg.pipeline.off_policy_steps}", cfg.pipeline.off_policy_steps > 0),
+            ("data.domain_weights (per-batch domain quotas)", bool(cfg.data.domain_weights))) if on]
+        if refused:
+            raise ValueError(f"rollout.partial_rollout_max_split={split} is built for the plain synchronous RLVR "
+                             f"rollout; it does not handle {', '.join(refused)}: unset that, or set "
+                             "rollout.partial_rollout_max_split: 1")
+        if cfg.algorithm.tis_cap is None:
+            raise ValueError(f"rollout.partial_rollout_max_split={split} carries unfinished samples into the next "
+                             "iteration, where a newer policy continues them (their earlier tokens are off-policy); "
+                             "set algorithm.tis_cap (e.g. 2.0) so the update corrects them with truncated "
+                             "importance sampling")
+    if cfg.rollout.score_while_generating and cfg.env is not None:
+        raise ValueError("rollout.score_while_generating is built for workflows/rlvr.py; the agentic workflow (env set) "
+                         "scores each episode's steps in the environment: set it false")
+    if cfg.model.warm_start.steps and (cfg.env is None or cfg.model.path is None):
+        raise ValueError(f"model.warm_start.steps={cfg.model.warm_start.steps} fine-tunes model.path on an environment's "
+                         "solver episodes: it needs env set and model.path set (the tiny policy, path unset, is "
+                         "pre-trained on them by model.bootstrap); set model.warm_start.steps: 0")
+    if cfg.env is not None:
+        check_agentic(cfg)
+    if cfg.loop.fuse > 1 and cfg.env is not None:
+        raise ValueError(f"loop.fuse={cfg.loop.fuse}: fused iterations are built for workflows/rlvr.py; "
+                         "the agentic workflow (env set) runs each stage as its own task: set loop.fuse: 1")
+    if cfg.training.num_workers > 1 and cfg.training.strategy == "torch":
+        raise ValueError(f"training.num_workers={cfg.training.num_workers}: strategy 'torch' is one process; choose a distributed training.strategy (ddp, fsdp2, deepspeed_zero2, deepspeed_zero3) or num_workers 1")
+    if cfg.training.compile and cfg.training.strategy != "torch":
+        raise ValueError(f"training.compile is only built for strategy 'torch' (one process); with "
+                         f"{cfg.training.strategy!r} set training.compile: false")
+    if cfg.training.lora.rank and cfg.training.strategy not in ("torch", "ddp"):
+        raise ValueError(f"training.lora.rank={cfg.training.lora.rank} is built for strategies 'torch' and 'ddp' only; "
+                         f"with {cfg.training.strategy!r} set training.lora.rank: 0")
+    if cfg.training.lora.rank:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ValueError(f"training.lora.rank={cfg.training.lora.rank} needs peft, which is not installed: pip install 'flyroll[lora]'")
+    if cfg.training.strategy.startswith("deepspeed"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(f"training.strategy={cfg.training.strategy!r} needs DeepSpeed, which is not installed: pip install 'flyroll[deepspeed]'")
+        from engines.strategies import check_zero_optimization
+
+        check_zero_optimization(cfg.training.zero_optimization)
+    elif cfg.training.zero_optimization:
+        raise ValueError(f"training.zero_optimization={cfg.training.zero_optimization} is for the deepspeed strategies; "
+                         f"training.strategy is {cfg.training.strategy!r}: remove it or choose deepspeed_zero2/3")
+
+    bad = [d for d in cfg.data.domains if d not in DOMAINS]
+    if bad:
+        raise ValueError(f"data.domains: unknown domain(s) {bad}; expected a subset of {list(DOMAINS)}")
+    if cfg.env is not None:
+        from engines.envs import ENVIRONMENTS
+
+        if cfg.env.name not in ENVIRONMENTS:
+            raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(ENVIRONMENTS)}")
+    for i, src in enumerate(cfg.data.sources):
+        if src.kind == "file" and not src.uri:
+            raise ValueError(f"data.sources[{i}]: kind 'file' needs `uri` (a .jsonl or .parquet table)")
+        if src.kind == "reasoning_gym" and not src.names:
+            raise ValueError(f"data.sources[{i}]: kind 'reasoning_gym' needs `names` (generator names)")
+    for name, section in (("judge", cfg.reward.judge), ("reward_model", cfg.reward.reward_model)):
+        routed = sorted({d for d, fn in cfg.reward.functions.items() if fn == name}
+                        | {s.domain for s in cfg.data.sources if s.domain == name and name not in cfg.reward.functions})
+        if routed and not section.model:
+            raise ValueError(f"reward.{name}.model: domain(s) {routed} route to {name!r} (reward.functions) but "
+                             f"reward.{name}.model is not set; expected a Hugging Face model directory "
+                             "(a local path or an s3:// URI)")
+    negative = {k: v for k, v in cfg.data.domain_weights.items() if v < 0}
+    if negative or (cfg.data.domain_weights and sum(cfg.data.domain_weights.values()) <= 0):
+        raise ValueError(f"data.domain_weights: weights must be >= 0 and sum to > 0, got {dict(cfg.data.domain_weights)}")
+    if cfg.algorithm.advantage in GROUP_BASELINE and cfg.rollout.samples_per_prompt < 2:
+        raise ValueError(f"rollout.samples_per_prompt={cfg.rollout.samples_per_prompt}: advantage "
+                         f"'{cfg.algorithm.advantage}' compares samples within a group (its baseline is the group's "
+                         "own rewards), so with one sample per prompt every advantage is 0 and nothing trains; "
+                         f"expected at least 2 samples per prompt, or an estimator without a group baseline "
+                         f"({sorted(set(ADVANTAGES) - GROUP_BASELINE)})")
+    if cfg.env is None:
+        check_data_size(cfg)
+
+
+def check_agentic(cfg) -> None:
+    """Refuse the RLVR-only options an agentic run (env set) would otherwise ignore: its rollout
+    (tasks/agentic.py) plays B seeds x G episodes once, with no rollout scheduler to drop and refill
+    groups, no data split and no reward workers (the reward is the environment's return)."""
+    a = cfg.algorithm
+    refused = [(name, why) for name, on, why in (
+        ("algorithm.filter_groups", a.filter_groups and not cfg.env.workers, ("dynamic sampling (drop "
+         "all-equal groups and refill) is built for the asynchronous manager only: set env.workers > 0")),
+        ("algorithm.mask_truncated", a.mask_truncated, ("it masks finish_reason 'length'; an episode cut by "
+         "env.max_context_tokens ends 'truncated' and would never be masked")),
+        ("rollout.chunk_prompts", cfg.rollout.chunk_prompts is not None, ("it sizes the RLVR rollout scheduler's "
+         "requests; the agentic rollout shards seeds over the generation workers")),
+        ("loop.eval_samples", cfg.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
+         "and env.eval_samples_per_seed")),
+        ("placement.offload_generation", cfg.placement.offload_generation != "none", ("the agentic rollout "
+         "(tasks/agentic.py) keeps its generation engines awake")),
+    ) if on]
+    for model, why in ((cfg.data, "episodes start from env seeds, not a data split"),
+                       (cfg.reward, "no reward workers start: the reward is the environment's return")):
+        section, default = "data" if model is cfg.data else "reward", type(model)()
+        refused += [(f"{section}.{k}", why) for k in type(model).model_fields if getattr(model, k) != getattr(default, k)]
+    if not cfg.env.workers:
+        default = type(cfg.env)(name=cfg.env.name)
+        refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
+                    for k in ("worker_cpus", "worker_memory", "worker_concurrency", "step_timeout_s", "max_retries")
+                    if getattr(cfg.env, k) != getattr(default, k)]
+    if refused:
+        raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)
+                         + ": leave those at their defaults")
+
+
+def check_data_size(cfg) -> None:
+    """What the data section says about the train split before it is built: the domains it holds
+    (against domain_weights) and its rows (against one batch). Sources whose domains or sizes only
+    the data tells (a file) are checked when the dataset is built (tasks/prepare.py make_dataset)."""
+    d, batch = cfg.data, cfg.rollout.prompts_per_iteration
+    held = data_domains(d)
+    absent = sorted(set(d.domain_weights) - held) if held is not None else []
+    if absent:
+        raise ValueError(f"data.domain_weights: domain(s) {absent} (weights {[d.domain_weights[k] for k in absent]}) "
+                         f"are not in the data, which holds {sorted(held)}; expected a weight per domain of "
+                         "data.sources (its `domain`, else the source's own) or data.domains")
+    rows = train_rows(d)
+    if rows is not None and rows < batch and cfg.rollout.partial_rollout_max_split == 1:
+        raise ValueError(f"data.train_size={d.train_size}: the train split has {rows} prompts, fewer than one batch "
+                         f"(rollout.prompts_per_iteration={batch}); a batch would hold a prompt twice and its groups "
+                         f"would merge into one (same group_id); expected at least {batch} train prompts")
+
+
+_SOURCE_DOMAIN = {"reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}  # engines/sources.py defaults
+
+
+def data_domains(d) -> set[str] | None:
+    """The domains the train split will hold, or None when only the data can tell (a file source
+    without `domain`)."""
+    if not d.sources:
+        return set(d.domains)
+    held: set[str] = set()
+    for src in d.sources:
+        if src.domain:
+            held.add(src.domain)
+        elif src.kind == "synthetic":
+            held |= set(src.names or d.domains)
+        elif src.kind in _SOURCE_DOMAIN:
+            held.add(_SOURCE_DOMAIN[src.kind])
+        else:
+            return None
+    return held
+
+
+def train_rows(d) -> int | None:
+    """Prompts in the train split, or None when only the data can tell (a file, HumanEval's fixed set)."""
+    if not d.sources:
+        return d.train_size
+    if any(src.kind not in ("synthetic", "reasoning_gym", "ifeval") for src in d.sources):
+        return None
+    return sum(src.train_size or d.train_size for src in d.sources)
