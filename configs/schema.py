@@ -298,7 +298,7 @@ class PlacementConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: str = Field(..., description="Environment for agentic RL (workflows/agentic.py): frozenlake, sokoban or tool_math (engines/envs/).")
+    name: str = Field(..., description="Environment for agentic RL (workflows/agentic.py): frozenlake, sokoban, tool_math, tool_table or webshop (engines/envs/).")
     kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
     max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")

@@ -90,3 +90,30 @@ def test_python_tool_option():
     rows = [(p, q) for _, _, p, q in env.rows]
     obs, _, _, info = env.step(call("python", code=f"print(sum(q for p, q in {[(float(p), q) for p, q in rows]}))"))
     assert info["valid_action"] and obs == f"<tool_response>\n{sum(q for _, q in rows)}\n</tool_response>\n"
+
+
+def test_teacher_tool_rate_makes_a_teacher_that_sometimes_answers_without_the_tool():
+    """`teacher_tool_rate` < 1: on that share of seeds (drawn from the seed) `solve()` calls the
+    calculator, on the rest it answers at once; every demonstration is still right, and the bootstrap
+    corpus (`solved_episodes`) is made of exactly those episodes. 1.0 (the default) always calls it."""
+    from engines.env_manager import solved_episodes
+
+    def plays(rate, seed):
+        env = make_env("tool_table", teacher_tool_rate=rate, kinds=["total_quantity"])
+        env.reset(seed)
+        actions = env.solve()
+        for a in actions:
+            _, r, done, info = env.step(a)
+        assert done and info["success"] and r == 1.0, (rate, seed, actions)
+        return actions
+
+    direct = [len(plays(0.3, seed)) == 1 for seed in range(200)]
+    assert 0.6 < sum(direct) / 200 < 0.8
+    assert direct == [len(plays(0.3, seed)) == 1 for seed in range(200)]           # the same seeds every time
+    assert all(len(plays(1.0, seed)) == 2 for seed in range(50))
+    assert all(len(plays(0.0, seed)) == 1 for seed in range(50))
+    corpus = solved_episodes("tool_table", list(range(20)), max_turns=4,
+                             env_kwargs={"teacher_tool_rate": 0.3, "kinds": ["total_quantity"]})
+    assert [("<tool_call>" in response) for _, response in corpus] == [not d for d in direct[:20]]
+    with pytest.raises(ValueError, match="teacher_tool_rate"):
+        make_env("tool_table", teacher_tool_rate=1.5)

@@ -23,6 +23,14 @@ Python tool (bubblewrap; ``make_env`` fails with ``SandboxUnavailable`` on a hos
 ``allow_weaker`` names a weaker mode). The text uses JSON and capitals, so this environment is for
 real tokenizers (SmolLM2, Qwen), not the tiny char-level policy.
 
+``teacher_tool_rate`` (1.0 by default) shapes only ``solve()``, the teacher whose episodes a
+policy is pre-trained or warm-started on: on that share of seeds (drawn from the seed, so the same
+seeds every time) it calls the calculator, on the others it answers at once, doing the arithmetic in
+its head. A student model copies the direct answers' form but not their arithmetic, so below 1 the
+warm-started policy answers some questions without the tool and gets them wrong, and RL has to teach
+it that calling the calculator pays (as ``env.bootstrap_habit_rate`` gives the grid worlds a habit
+to unlearn). The episodes themselves do not change.
+
 State (GiGPO anchors, effective actions): the ordered distinct tool results so far.
 """
 
@@ -118,8 +126,12 @@ class ToolTable:
 
     def __init__(self, invalid_penalty: float = INVALID_PENALTY, correct_reward: float = 1.0, tolerance: float = 0.01,
                  python: bool = False, describe_tools: bool = True, python_timeout_s: float = 3.0,
-                 allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = KINDS):
+                 allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = KINDS,
+                 teacher_tool_rate: float = 1.0):
         self.invalid_penalty, self.correct_reward, self.tolerance = invalid_penalty, correct_reward, Fraction(tolerance)
+        if not 0.0 <= teacher_tool_rate <= 1.0:
+            raise ValueError(f"tool_table teacher_tool_rate: {teacher_tool_rate!r}; expected a share in [0, 1]")
+        self.teacher_tool_rate = teacher_tool_rate
         self.kinds = check_kinds(kinds)   # an unknown kind is refused here, not at the first reset
         self.allow_text = allow_text
         tools = [calculator_tool()]
@@ -133,12 +145,13 @@ class ToolTable:
         self.tools_preamble = "\n" + tools_system_prompt(tools) + "\n" if describe_tools else ""
         self.instructions += self.tools_preamble
         self.rows, self.question, self.value, self.expression = [], "", Fraction(0), ""
+        self.seed = 0
         self.results: list[str] = []
         self.done = False
 
     def reset(self, seed: int) -> str:
         self.rows, self.question, self.value, self.expression = make_table(seed, self.kinds)
-        self.results, self.done = [], False
+        self.seed, self.results, self.done = seed, [], False
         return f"{render_table(self.rows)}\n\n{self.question}\n"
 
     def _invalid(self, why: str) -> tuple[str, float, bool, dict]:
@@ -173,9 +186,12 @@ class ToolTable:
         return "results:" + "|".join(self.results)
 
     def solve(self) -> list[str] | None:
-        """Calculate the question's expression with the calculator (unless done), then answer."""
+        """Calculate the question's expression with the calculator (unless done), then answer; on the
+        seeds `teacher_tool_rate` leaves out, answer at once."""
         value = f"{float(self.value):.2f}".rstrip("0").rstrip(".")
         answer = f"<answer>{value}</answer>"
+        if random.Random(f"teacher-{self.seed}").random() >= self.teacher_tool_rate:
+            return [answer]
         call = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": self.expression}}) + \
                "\n</tool_call>"
         done_calc = any(abs(Fraction(r) - self.value) <= self.tolerance for r in self.results if _is_number(r))
