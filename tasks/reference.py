@@ -65,7 +65,7 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
         if cfg.algorithm.advantage == "gae":
             ray.get(worker.load.remote("critic", spec, policy.key))
             values = ray.get(worker.values.remote(rows, mb))
-            v = np.concatenate([np.asarray(x, dtype=np.float64) for x in values] or [np.zeros(0)])
+            v = _flat(values)
             metrics["reference/values_mean"] = float(v.mean()) if v.size else 0.0
         if cfg.placement.offload_reference:  # the colocated generators and trainer run next: free the models
             ray.get(worker.release.remote())
@@ -83,11 +83,8 @@ def logprob_metrics(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list,
     gap), `reference/behaviour_logprob_diff` (max |π_old − behaviour|), over the tokens the loss sees:
     an agentic row's environment tokens (`loss_mask` 0) have no behaviour log-prob (the column holds
     0.0 there), so counting them would report the observations' log-probs as KL."""
-    def flat(rows) -> np.ndarray:
-        return np.concatenate([np.asarray(x, dtype=np.float64) for x in rows] or [np.zeros(0)])
-
-    old, ref, beh = flat(old_logprobs), flat(ref_logprobs), flat(batch["behaviour_logprobs"])
-    keep = flat(batch["loss_mask"]) > 0 if "loss_mask" in batch.columns else np.ones(old.size, dtype=bool)
+    old, ref, beh = _flat(old_logprobs), _flat(ref_logprobs), _flat(batch["behaviour_logprobs"])
+    keep = _flat(batch["loss_mask"]) > 0 if "loss_mask" in batch.columns else np.ones(old.size, dtype=bool)
     old, ref, beh = old[keep], ref[keep], beh[keep]
     if not old.size:
         return {}
@@ -95,6 +92,11 @@ def logprob_metrics(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list,
     if policy_forward:
         out["reference/behaviour_logprob_diff"] = float(np.max(np.abs(beh - old)))
     return out
+
+
+def _flat(rows) -> np.ndarray:
+    """Per-row lists (one per response) as one float64 array."""
+    return np.concatenate([np.asarray(x, dtype=np.float64) for x in rows] or [np.zeros(0)])
 
 
 def with_logprobs(batch: pd.DataFrame, ref_logprobs: list, old_logprobs: list, values: list | None = None) -> pd.DataFrame:
