@@ -26,13 +26,15 @@ def test_tables_are_seeded_and_the_teacher_expression_computes_the_answer():
 
 
 def test_kinds_keep_a_subset_of_the_questions():
-    """`kinds` draws the question from a subset; the default gives every kind, and a subset's tables
-    are still solved by the teacher's expression. An unknown kind is refused, naming the known ones."""
-    from engines.envs.tool_table import KINDS
+    """`kinds` draws the question from a subset; the default gives the four kinds over several rows
+    (not item_value), and a subset's tables are still solved by the teacher's expression. An unknown
+    kind is refused, naming the known ones."""
+    from engines.envs.tool_table import DEFAULT_KINDS, KINDS
 
     starts = {"value_above": "What is the total value", "total_quantity": "How many",
               "average_price": "What is the average price", "stock_difference": "What is the stock value"}
-    assert {next(k for k, s in starts.items() if make_table(seed)[1].startswith(s)) for seed in range(40)} == set(KINDS)
+    assert set(DEFAULT_KINDS) == set(starts) and set(KINDS) == set(starts) | {"item_value"}
+    assert {next(k for k, s in starts.items() if make_table(seed)[1].startswith(s)) for seed in range(40)} == set(DEFAULT_KINDS)
     for kinds in (("total_quantity",), ("average_price", "stock_difference")):
         for seed in range(40):
             rows, question, value, expression = make_table(seed, kinds)
@@ -40,8 +42,26 @@ def test_kinds_keep_a_subset_of_the_questions():
             assert abs(Fraction(calculate(expression)) - value) < Fraction(1, 10 ** 6)
     env = make_env("tool_table", kinds=["total_quantity"])
     assert env.reset(2).rstrip().endswith("(the sum of their quantities)?")
-    with pytest.raises(ValueError, match="expected a non-empty subset of .*total_quantity"):
+    with pytest.raises(ValueError, match="expected a non-empty subset of .*item_value"):
         make_env("tool_table", kinds=["median"])
+
+
+def test_item_value_asks_one_rows_price_times_its_quantity():
+    """item_value names one item of the table; its value is that row's price times its quantity, the
+    teacher's expression computes it, and the questions spread over the table's rows."""
+    picked = set()
+    for seed in range(60):
+        rows, question, value, expression = make_table(seed, ("item_value",))
+        named = [r for r in rows if question == f"What is the {r[0]} stock worth (price times quantity)?"]
+        assert len(named) == 1, question
+        _, _, price, qty = named[0]
+        assert value == price * qty and abs(Fraction(calculate(expression)) - value) < Fraction(1, 10 ** 6)
+        picked.add(rows.index(named[0]))
+    assert len(picked) >= 5
+    env = make_env("tool_table", kinds=["item_value"])
+    env.reset(7)
+    obs, r, done, info = env.step(f"<answer>{float(env.value):.2f}</answer>")
+    assert (r, done, info["success"]) == (1.0, True, True)
 
 
 def test_episode_tool_call_then_answer():

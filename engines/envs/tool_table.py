@@ -1,12 +1,14 @@
 """Questions over a small generated table, answered with tool calls (calculator, sandboxed Python).
 
-Each episode is a table of 6-9 shop items (item, category, price, quantity) and one question that
-needs several operations: the total value (price × quantity) of the items of a category with a
-quantity above a bound, the total quantity of a category, the average price of a category, or the
-stock value of the most expensive category item minus the cheapest one's (``kinds`` keeps a subset:
-``value_above``, ``total_quantity``, ``average_price``, ``stock_difference``). The policy calls tools
-in the Qwen2.5 / Hermes format (``engines/tool_calls.py``) and ends the episode with
-``<answer>NUMBER</answer>``: reward ``correct_reward`` when it is within ``tolerance`` of the true
+Each episode is a table of 6-9 shop items (item, category, price, quantity) and one question, by
+default one that needs several operations: the total value (price × quantity) of the items of a
+category with a quantity above a bound, the total quantity of a category, the average price of a
+category, or the stock value of the most expensive category item minus the cheapest one's (``kinds``
+keeps a subset of ``value_above``, ``total_quantity``, ``average_price``, ``stock_difference``, the
+default draw). ``item_value``, drawn only when ``kinds`` names it, asks one named item's stock value:
+one row's price times its quantity, easy to read off the table, hard to multiply without the
+calculator. The policy calls tools in the Qwen2.5 / Hermes format (``engines/tool_calls.py``) and ends
+the episode with ``<answer>NUMBER</answer>``: reward ``correct_reward`` when it is within ``tolerance`` of the true
 value, 0 otherwise. A tool result comes back as ``<tool_response>...</tool_response>`` (what
 Qwen2.5's template renders for a ``tool`` message inside a user turn); a refused turn (no call and
 no answer, malformed JSON, unknown tool, wrong arguments, several calls, text around a call, a
@@ -53,7 +55,8 @@ ITEMS = {
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-KINDS = ("value_above", "total_quantity", "average_price", "stock_difference")   # the question kinds, in draw order
+KINDS = ("value_above", "total_quantity", "average_price", "stock_difference", "item_value")   # every question kind
+DEFAULT_KINDS = KINDS[:4]   # the default draw: the questions over several rows (item_value reads one row)
 
 
 def check_kinds(kinds) -> tuple[str, ...]:
@@ -63,11 +66,11 @@ def check_kinds(kinds) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def make_table(seed: int, kinds: tuple[str, ...] = KINDS) -> tuple[list[tuple[str, str, Fraction, int]], str, Fraction, str]:
+def make_table(seed: int, kinds: tuple[str, ...] = DEFAULT_KINDS) -> tuple[list[tuple[str, str, Fraction, int]], str, Fraction, str]:
     """(rows, question, value, expression) for ``seed``: rows are (item, category, price, quantity);
     ``expression`` computes ``value`` from the rows (the teacher's calculator input). The question's
-    kind is drawn from ``kinds`` (``KINDS``, all four by default: the same tables and questions as a
-    subset gives for the seeds whose draw it keeps)."""
+    kind is drawn from ``kinds`` (``DEFAULT_KINDS``, the four over several rows, by default: the same
+    tables and questions as a subset gives for the seeds whose draw it keeps)."""
     check_kinds(kinds)
     rng = random.Random(seed)
     cats = rng.sample(sorted(ITEMS), 3)
@@ -94,12 +97,17 @@ def make_table(seed: int, kinds: tuple[str, ...] = KINDS) -> tuple[list[tuple[st
         question = f"What is the average price of the {cat} items, rounded to 2 decimals?"
         terms = [f"({'+'.join(_num(r[2]) for r in mine)})/{len(mine)}"]
         value = sum((r[2] for r in mine), Fraction(0)) / len(mine)
-    else:
+    elif kind == 3:
         hi, lo = max(mine, key=lambda r: r[2]), min(mine, key=lambda r: r[2])
         question = (f"What is the stock value (price times quantity) of the most expensive {cat} item "
                     f"minus that of the cheapest {cat} item?")
         terms = [f"{_num(hi[2])}*{hi[3]}-{_num(lo[2])}*{lo[3]}"]
         value = hi[2] * hi[3] - lo[2] * lo[3]
+    else:
+        item, _, price, qty = rng.choice(rows)
+        question = f"What is the {item} stock worth (price times quantity)?"
+        terms = [f"{_num(price)}*{qty}"]
+        value = price * qty
     return rows, question, value, "+".join(terms)
 
 
@@ -126,7 +134,7 @@ class ToolTable:
 
     def __init__(self, invalid_penalty: float = INVALID_PENALTY, correct_reward: float = 1.0, tolerance: float = 0.01,
                  python: bool = False, describe_tools: bool = True, python_timeout_s: float = 3.0,
-                 allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = KINDS,
+                 allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = DEFAULT_KINDS,
                  teacher_tool_rate: float = 1.0):
         self.invalid_penalty, self.correct_reward, self.tolerance = invalid_penalty, correct_reward, Fraction(tolerance)
         if not 0.0 <= teacher_tool_rate <= 1.0:
