@@ -8,8 +8,8 @@ keeps a subset of ``value_above``, ``total_quantity``, ``average_price``, ``stoc
 default draw). ``item_value``, drawn only when ``kinds`` names it, asks one named item's stock value:
 one row's price times its quantity, easy to read off the table, hard to multiply without the
 calculator. The policy calls tools in the Qwen2.5 / Hermes format (``engines/tool_calls.py``) and ends
-the episode with ``<answer>NUMBER</answer>``: reward ``correct_reward`` when it is within ``tolerance`` of the true
-value, 0 otherwise. A tool result comes back as ``<tool_response>...</tool_response>`` (what
+the episode with ``<answer>NUMBER</answer>``: reward ``correct_reward`` when it is within
+``tolerance`` of the true value, 0 otherwise. A tool result comes back as ``<tool_response>...</tool_response>`` (what
 Qwen2.5's template renders for a ``tool`` message inside a user turn); a refused turn (no call and
 no answer, malformed JSON, unknown tool, wrong arguments, several calls, text around a call, a
 calculator refusal) is an invalid action (``invalid_penalty``, state unchanged) whose observation,
