@@ -417,8 +417,10 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
     would end it (on its own line, or at one of the environment's ``stop`` strings when it ends with
     one), then the environment's reply (``reply_text``, or with ``fmt`` the chat template's user turn,
     ``ChatFormat.reply``); no reply after the last action. Re-plans after every step (slippery
-    FrozenLake); seeds the solver cannot finish within ``max_turns`` are skipped. For
-    ``engines.pretrain.supervised_finetune``.
+    FrozenLake); seeds the solver cannot finish within ``max_turns`` are skipped. An episode is
+    kept when it ends in success, or, for an environment with a ``teacher_finished(info)`` method,
+    when that says the teacher ended it as it meant to (webshop's ``teacher_option_rate``: a purchase
+    without the options). For ``engines.pretrain.supervised_finetune``.
     ``segments=True``: each response is a list of (text, is_action) segments instead of one string
     (the same text), so the fine-tune can put its loss on the actions only.
 
@@ -465,7 +467,8 @@ def solved_episodes(env_name: str, seeds: list[int], *, max_turns: int, env_kwar
             observation, _, done, info = env.step(action)
             parts.append((action, True))
             if done or turn == max_turns - 1:
-                success = bool(info.get("success"))
+                finished = getattr(env, "teacher_finished", None)
+                success = bool(finished(info) if finished else info.get("success"))
                 break
             parts.append((fmt.reply([], observation) if fmt else reply_text(action, observation), False))
         if success:

@@ -107,6 +107,58 @@ def test_teacher_replans_from_a_wrong_item():
     assert done and info["success"]
 
 
+def test_teacher_option_rate_makes_a_teacher_that_sometimes_buys_without_the_options():
+    """`teacher_option_rate` < 1: on that share of seeds (drawn from the seed) `solve()` opens the
+    same product as the full teacher and buys it without selecting an option, for every point of
+    WebShop's score but the options'; the bootstrap corpus (`solved_episodes`) keeps both kinds of
+    episode. 1.0 (the default) always selects them. The environment's episodes do not change."""
+    from engines.env_manager import solved_episodes
+
+    kwargs = {"page_size": 3, "repeat_instruction": False}
+
+    def plays(rate, seed):
+        env = make_env("webshop", teacher_option_rate=rate, **kwargs)
+        env.reset(seed)
+        plan = env.solve()
+        for action in plan:
+            _, reward, done, info = env.step(action)
+        goal = env.goal
+        assert done and info["valid_action"] and env.teacher_finished(info), (rate, seed, plan)
+        if info["success"]:
+            return plan, "full"
+        assert info["option_matches"] == 0 and info["attribute_matches"] == len(goal.attributes) and info["price_ok"]
+        assert reward == pytest.approx((len(goal.attributes) + 1) / (len(goal.attributes) + len(goal.options) + 1))
+        return plan, "skipped"
+
+    kinds = [plays(0.5, seed)[1] for seed in range(200)]
+    assert 0.35 < kinds.count("skipped") / 200 < 0.65
+    assert kinds == [plays(0.5, seed)[1] for seed in range(200)]                  # the same seeds every time
+    for seed in range(40):
+        full, skipped = plays(1.0, seed), plays(0.0, seed)
+        assert full[1] == "full"
+        assert skipped[1] == "skipped"
+        assert skipped[0] == [a for a in full[0] if not _is_option_click(a)]      # the same search and product
+    corpus = solved_episodes("webshop", list(range(20)), max_turns=10,
+                             env_kwargs={"teacher_option_rate": 0.5, **kwargs})
+    assert len(corpus) == 20
+    assert [response.count("click[") for _, response in corpus] == \
+        [len(plays(0.5, seed)[0]) - 1 for seed in range(20)]
+    with pytest.raises(ValueError, match="teacher_option_rate"):
+        make_env("webshop", teacher_option_rate=-0.1)
+    env = make_env("webshop", **kwargs)                    # a random purchase is not a finished demonstration
+    env.reset(3)
+    env.step(env.solve()[0])
+    wrong = next(p for p in env._shown() if not env._fits(p))
+    env.step(f"click[{wrong.asin}]")
+    _, _, done, info = env.step("click[buy now]")
+    assert done and not info["success"] and not env.teacher_finished(info)
+
+
+def _is_option_click(action: str) -> bool:
+    return action.startswith("click[") and action[6:-1] not in ("buy now", "< prev", "next >", "back to search") \
+        and not action[6:-1].startswith("b0")
+
+
 # ------------------------------------------------------------------ pages and actions
 def test_pages_search_and_pagination():
     env = WebShop(page_size=10)

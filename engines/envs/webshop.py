@@ -36,6 +36,14 @@ A step that is not one of the page's actions is invalid (``invalid_penalty``, pa
 observation starts ``invalid``). Episodes take 5-10 actions for the teacher (search, 0-4 page
 turns, the item, 2-3 options, buy); ``solve()`` is that teacher (privileged: it knows the target),
 re-planning from any page, for the bootstrap corpus (``solved_episodes``).
+
+``teacher_option_rate`` (1.0 by default) shapes only that teacher: on that share of seeds (drawn
+from the seed, so the same seeds every time) it selects the instruction's options before buying; on
+the others it opens the same product and buys it at once, earning WebShop's partial score (every
+point but the options'). ``teacher_finished`` keeps both kinds of episode in the bootstrap corpus. A
+policy warm-started on them skips the options on some instructions, which is WebShop's commonest
+failure (option matching), and RL has to teach it that choosing them pays (as ``tool_table``'s
+``teacher_tool_rate`` does for the calculator). The episodes themselves do not change.
 """
 
 from __future__ import annotations
@@ -182,9 +190,13 @@ class WebShop:
     name = "webshop"
 
     def __init__(self, catalogue_seed: int = 0, per_type: int = 24, page_size: int = 10, brackets: str = "[]",
-                 invalid_penalty: float = INVALID_PENALTY, repeat_instruction: bool = True):
+                 invalid_penalty: float = INVALID_PENALTY, repeat_instruction: bool = True,
+                 teacher_option_rate: float = 1.0):
         if page_size < 1 or brackets not in ("[]", "()"):
             raise ValueError(f"webshop: page_size={page_size} (>= 1), brackets={brackets!r} ('[]' or '()')")
+        if not 0.0 <= teacher_option_rate <= 1.0:
+            raise ValueError(f"webshop teacher_option_rate: {teacher_option_rate!r}; expected a share in [0, 1]")
+        self.teacher_option_rate = teacher_option_rate
         self.products = make_catalogue(catalogue_seed, per_type)
         self.by_asin = {p.asin: p for p in self.products}
         self.page_size, self.invalid_penalty, self.repeat_instruction = page_size, invalid_penalty, repeat_instruction
@@ -192,6 +204,7 @@ class WebShop:
         self.instructions = (f"webshop: buy the product the instruction asks for. actions: search{self.open}query{self.close}, "
                              f"click{self.open}item id, option, next >, < prev, back to search or buy now{self.close}.\n")
         self.goal: Goal | None = None
+        self.seed = 0
         self.page, self.query, self.page_no, self.asin = "search", "", 0, ""
         self.hits: list[Product] = []
         self.selected: dict[str, str] = {}
@@ -200,6 +213,7 @@ class WebShop:
     # ------------------------------------------------------------------ protocol
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
+        self.seed = seed
         self.goal = make_goal(rng.choice(self.products), rng)
         self.page, self.query, self.page_no, self.asin, self.hits, self.selected = "search", "", 0, "", [], {}
         self.done = False
@@ -254,8 +268,9 @@ class WebShop:
 
     def solve(self) -> list[str] | None:
         """The teacher's actions from here: search the instruction's attributes and type, page to the
-        first hit that earns the full reward, open it, select the goal's options, buy. Returns None
-        when it does not reach reward 1 within 30 actions."""
+        first hit that earns the full reward, open it, select the goal's options (unless this seed is
+        one ``teacher_option_rate`` leaves out), buy. Returns None when it does not finish
+        (``teacher_finished``) within 30 actions."""
         env, actions = self._clone(), []
         for _ in range(30):
             if env.done:
@@ -264,8 +279,20 @@ class WebShop:
             actions.append(action)
             _, r, done, info = env.step(action)
             if done:
-                return actions if info.get("success") else None
+                return actions if env.teacher_finished(info) else None
         return None
+
+    def teacher_finished(self, info: dict) -> bool:
+        """Whether the step that returned ``info`` ended the episode as the teacher means to: with
+        reward 1, or, on a seed where it skips the options, with a product of the right type that
+        matches every attribute and the price (all but the options' points)."""
+        if info.get("success"):
+            return True
+        return (self.done and self._teacher_skips_options() and info.get("r_type") == 1.0
+                and info.get("attribute_matches") == len(self.goal.attributes) and bool(info.get("price_ok")))
+
+    def _teacher_skips_options(self) -> bool:
+        return random.Random(f"teacher-{self.seed}").random() >= self.teacher_option_rate
 
     def _clone(self) -> "WebShop":
         """A copy of the episode state sharing the (immutable) catalogue."""
@@ -288,7 +315,7 @@ class WebShop:
             p = self.by_asin[self.asin]
             if not self._fits(p):
                 return a("click", "< prev")
-            for kind, values in p.options:
+            for kind, values in ([] if self._teacher_skips_options() else p.options):
                 want = next((v for v in values if v in self.goal.options), None)
                 if want is not None and self.selected.get(kind) != want:
                     return a("click", want)
