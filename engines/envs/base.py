@@ -21,6 +21,7 @@ count turns itself.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol, runtime_checkable
@@ -68,6 +69,20 @@ def parse_move(action_text: str) -> str | None:
 def step_info(valid: bool, effective: bool, success: bool, **extra) -> dict:
     """The ``info`` dict every environment returns."""
     return {"valid_action": valid, "effective": effective, "success": success, **extra}
+
+
+def teacher_rate(env: str, name: str, rate: float) -> float:
+    """``rate`` checked as the share of seeds on which an environment's teacher (``solve()``) plays
+    its full plan (``tool_table`` ``teacher_tool_rate``, ``webshop`` ``teacher_option_rate``)."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"{env} {name}: {rate!r}; expected a share in [0, 1]")
+    return rate
+
+
+def teacher_lapses(seed: int, rate: float) -> bool:
+    """Whether the teacher departs from its full plan on episode ``seed`` (it keeps to it on a ``rate``
+    share of seeds). Drawn from the seed alone, so the same seeds every time."""
+    return random.Random(f"teacher-{seed}").random() >= rate
 
 
 def bfs(start: Hashable, successors: Callable[[Hashable], Iterable[tuple[str, Hashable]]],

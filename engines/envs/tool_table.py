@@ -43,7 +43,7 @@ import random
 import re
 from fractions import Fraction
 
-from engines.envs.base import INVALID_PENALTY, step_info
+from engines.envs.base import INVALID_PENALTY, step_info, teacher_lapses, teacher_rate
 from engines.tool_calls import call_tools, calculator_tool, python_tool, tool_specs, tools_system_prompt
 
 ITEMS = {
@@ -137,9 +137,7 @@ class ToolTable:
                  allow_weaker: str | None = None, allow_text: bool = False, kinds: tuple[str, ...] | list[str] = DEFAULT_KINDS,
                  teacher_tool_rate: float = 1.0):
         self.invalid_penalty, self.correct_reward, self.tolerance = invalid_penalty, correct_reward, Fraction(tolerance)
-        if not 0.0 <= teacher_tool_rate <= 1.0:
-            raise ValueError(f"tool_table teacher_tool_rate: {teacher_tool_rate!r}; expected a share in [0, 1]")
-        self.teacher_tool_rate = teacher_tool_rate
+        self.teacher_tool_rate = teacher_rate("tool_table", "teacher_tool_rate", teacher_tool_rate)
         self.kinds = check_kinds(kinds)   # an unknown kind is refused here, not at the first reset
         self.allow_text = allow_text
         tools = [calculator_tool()]
@@ -198,7 +196,7 @@ class ToolTable:
         seeds `teacher_tool_rate` leaves out, answer at once."""
         value = f"{float(self.value):.2f}".rstrip("0").rstrip(".")
         answer = f"<answer>{value}</answer>"
-        if random.Random(f"teacher-{self.seed}").random() >= self.teacher_tool_rate:
+        if teacher_lapses(self.seed, self.teacher_tool_rate):
             return [answer]
         call = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": self.expression}}) + \
                "\n</tool_call>"

@@ -54,7 +54,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from engines.envs.base import INVALID_PENALTY, step_info
+from engines.envs.base import INVALID_PENALTY, step_info, teacher_lapses, teacher_rate
 
 CATEGORIES = {   # category -> (group, types, attributes, option kinds)
     "clothing": ("shoes", ["hiking boots", "running shoes", "rain jacket", "wool socks"],
@@ -195,9 +195,7 @@ class WebShop:
                  teacher_option_rate: float = 1.0):
         if page_size < 1 or brackets not in ("[]", "()"):
             raise ValueError(f"webshop: page_size={page_size} (>= 1), brackets={brackets!r} ('[]' or '()')")
-        if not 0.0 <= teacher_option_rate <= 1.0:
-            raise ValueError(f"webshop teacher_option_rate: {teacher_option_rate!r}; expected a share in [0, 1]")
-        self.teacher_option_rate = teacher_option_rate
+        self.teacher_option_rate = teacher_rate("webshop", "teacher_option_rate", teacher_option_rate)
         self.products = make_catalogue(catalogue_seed, per_type)
         self.by_asin = {p.asin: p for p in self.products}
         self.page_size, self.invalid_penalty, self.repeat_instruction = page_size, invalid_penalty, repeat_instruction
@@ -293,7 +291,7 @@ class WebShop:
                 and info.get("attribute_matches") == len(self.goal.attributes) and bool(info.get("price_ok")))
 
     def _teacher_skips_options(self) -> bool:
-        return random.Random(f"teacher-{self.seed}").random() >= self.teacher_option_rate
+        return teacher_lapses(self.seed, self.teacher_option_rate)
 
     def _clone(self) -> "WebShop":
         """A copy of the episode state sharing the (immutable) catalogue."""
