@@ -335,12 +335,35 @@ def env_demonstrations(spec: dict, fmt=None) -> list:
 
 
 def _finetune(model, tok, pairs: list, label: str, **kwargs) -> dict[str, float]:
-    """engines/pretrain.py `supervised_finetune` with a progress bar (step, loss, time left)."""
+    """engines/pretrain.py `supervised_finetune` with a progress bar (step, loss, time left). Where the
+    console is not a terminal (a pod's log, a file), rich draws no live bar, so one line is printed
+    every `_LOG_EVERY_S` seconds and at the last step instead."""
+    if not console.is_terminal:
+        return supervised_finetune(model, tok, pairs, on_step=_progress_lines(label, kwargs["steps"]), **kwargs)
     with Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f}"),
                   TimeRemainingColumn(), console=console) as progress:
         bar = progress.add_task("sft", total=kwargs["steps"], loss=float("nan"))
         return supervised_finetune(model, tok, pairs, on_step=lambda s, loss: progress.update(bar, completed=s + 1, loss=loss),
                                    **kwargs)
+
+
+_LOG_EVERY_S = 30.0
+
+
+def _progress_lines(label: str, total: int):
+    """An `on_step(step, loss)` that prints `label step/total loss, elapsed, time left` at most every
+    `_LOG_EVERY_S` seconds, and always at the first and the last step."""
+    t0 = time.monotonic()
+    last = [float("-inf")]
+
+    def on_step(step: int, loss: float) -> None:
+        now, done = time.monotonic(), step + 1
+        if done in (1, total) or now - last[0] >= _LOG_EVERY_S:
+            last[0] = now
+            elapsed = now - t0
+            left = elapsed / done * (total - done)
+            console.print(f"{label} {done}/{total} loss {loss:.3f} ({elapsed:.0f} s, ~{left:.0f} s left)")
+    return on_step
 
 
 def warm_start(spec: dict, store: ArtifactStore, source: str, digest: str) -> PolicyRef:

@@ -93,3 +93,24 @@ def test_a_file_below_one_batch_is_refused_when_the_dataset_is_built(tmp_path, t
     with pytest.raises(ValueError, match=r"fewer prompts than one batch of rollout\.prompts_per_iteration=8 \(7 prompts"):
         _dataset(tmp_path, tiny_model_dir, monkeypatch, {"sources": [{"kind": "file", "uri": uri, "eval_uri": uri, "eval_size": 4}]},
                  {"prompts_per_iteration": 8})
+
+
+def test_a_fine_tune_logged_to_a_file_prints_progress_lines(tiny_policy, capsys, monkeypatch):
+    """Was: the warm start's rich bar draws nothing where stderr is not a terminal (a pod's log, nohup),
+    so a 13-minute SmolLM2 warm start printed no line until it ended. Now one line per `_LOG_EVERY_S`
+    and at the first and last step, with the step, the loss and the time left; on the real
+    `supervised_finetune`."""
+    import copy
+
+    from tasks import prepare
+
+    model, tok = tiny_policy
+    pairs = [("1+1=", "2"), ("2+2=", "4"), ("3+3=", "6")]
+    for every, expected in ((1e9, ["1/4", "4/4"]), (0.0, ["1/4", "2/4", "3/4", "4/4"])):
+        monkeypatch.setattr(prepare, "_LOG_EVERY_S", every)
+        metrics = prepare._finetune(copy.deepcopy(model), tok, pairs, "warm start", steps=4, batch_size=2, lr=1e-3)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm start")]
+        assert [line.split()[2] for line in lines] == expected
+        assert all("loss" in line and "s left)" in line for line in lines)
+        assert all(0.0 < float(line.split()[4]) < 10.0 for line in lines)   # the step's loss (char vocabulary)
+        assert metrics["bootstrap/steps"] == 4
