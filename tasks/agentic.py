@@ -201,6 +201,6 @@ def evaluate_episodes(spec: RunSpec, policy: PolicyRef) -> float:
         m = episode_metrics(episodes, prefix="eval")
         metrics.update(m)
         metrics["eval/accuracy"] = m["eval/success_rate"]
-        text = "\n\n".join(f"# seed {ep.seed}  success={ep.success}  turns={ep.turns}\n{ep.prompt}{ep.transcript}" for ep in episodes[:8])
+        text = "\n\n".join(f"# {ep.transcript}" for ep in episodes[:8])   # its first line: seed, success, return, turns
         tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, text, f"eval/transcripts_v{policy.version:04d}.txt")
     return float(metrics["eval/accuracy"])

@@ -41,6 +41,15 @@ def test_agentic_workflow_end_to_end(tmp_path):
         else:                                                        # kept groups carry signal; fewer only when spent
             assert all_equal == 0.0 and (kept == 2 or launched == 6) and kept >= 1
 
+    # the held-out transcripts: each episode once, headed by its seed and outcome, its prompt not repeated
+    text = open(c.download_artifacts(run.info.run_id, "eval/transcripts_v0000.txt", str(tmp_path))).read()
+    episodes = text.split("\n\n# seed ")
+    assert text.startswith("# seed ") and len(episodes) == 4        # env.eval_episodes of tests/configs/agentic_e2e.yaml
+    for episode in episodes:
+        head, prompt_line = episode.splitlines()[:2]
+        assert ", return " in head and " turns, " in head, head    # seed, group, sample: outcome, return, turns, finish
+        assert episode[:episode.index("[turn 1] policy:")].count(prompt_line) == 1   # the prompt once
+
     store = ArtifactStore(str(tmp_path / "runs" / "store"))
     keys = store.list("runs")
     assert sum("/policy/" in k for k in keys) == 2
