@@ -160,6 +160,34 @@ def _is_option_click(action: str) -> bool:
 
 
 # ------------------------------------------------------------------ pages and actions
+def test_a_browsing_teacher_opens_what_the_results_page_shows_fits_and_goes_back_from_the_rest():
+    """`teacher_browses`: the results page shows titles and prices, not options, so the default teacher
+    (which pages straight to the first hit that earns reward 1) demonstrates a choice the policy cannot
+    make from what it sees. The browsing teacher opens, in order, the hits whose title and price fit
+    the instruction and that it has not opened yet; on an item page without the requested values it
+    clicks `< prev`. It still earns reward 1 on every seed, opening only such hits."""
+    kwargs = {"page_size": 3, "repeat_instruction": False}
+    went_back = 0
+    for seed in range(200):
+        env = make_env("webshop", teacher_browses=True, **kwargs)
+        env.reset(seed)
+        plan = env.solve()
+        for action in plan:
+            if env.page == "results" and action[6:-1] in {p.asin for p in env._shown()}:
+                product = env.by_asin[action[6:-1]]
+                assert env._looks_right(product) and product.asin not in env.opened, (seed, plan)
+                # every hit that looks right and sits before it in the ranking was opened already
+                earlier = env.hits[:env.hits.index(product)]
+                assert all(p.asin in env.opened for p in earlier if env._looks_right(p)), (seed, plan)
+            if action == "click[< prev]" and env.page == "item":
+                assert not env._fits(env.by_asin[env.asin])            # it leaves only an item that cannot earn 1
+                went_back += 1
+            _, reward, done, info = env.step(action)
+        assert done and info["success"], (seed, plan)
+        assert len(env.opened) == len(set(env.opened))                 # never the same item twice
+    assert went_back >= 40                                              # 79 seeds of 200 go back at least once
+
+
 def test_pages_search_and_pagination():
     env = WebShop(page_size=10)
     obs = env.reset(3)
