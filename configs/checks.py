@@ -77,6 +77,10 @@ def check_config(cfg) -> None:
 
         if cfg.env.name not in ENVIRONMENTS:
             raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(ENVIRONMENTS)}")
+        try:  # a misspelt or out-of-range option fails here, not after the model import and warm start
+            ENVIRONMENTS[cfg.env.name](**cfg.env.kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"env.kwargs: {cfg.env.name!r} refuses {cfg.env.kwargs}: {e}") from None
     for i, src in enumerate(cfg.data.sources):
         if src.kind == "file" and not src.uri:
             raise ValueError(f"data.sources[{i}]: kind 'file' needs `uri` (a .jsonl or .parquet table)")

@@ -299,7 +299,7 @@ class PlacementConfig(_Section):
 
 class EnvConfig(_Section):
     name: str = Field(..., description="Environment for agentic RL (workflows/agentic.py): frozenlake, sokoban, tool_math, tool_table or webshop (engines/envs/).")
-    kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban.")
+    kwargs: dict = Field(default_factory=dict, description="Constructor options of the environment, e.g. {size: 4} for FrozenLake, {dim_room: [6, 6]} for Sokoban, {reward: success} for WebShop; the config check builds the environment with them, so one it refuses fails when the config loads.")
     max_turns: int = Field(8, ge=1, le=256, description="Turns per episode before it is cut off.")
     max_context_tokens: int = Field(512, ge=16, description="Prompt + all turns; an episode that would pass it stops with truncated=True.")
     workers: int = Field(0, ge=0, le=1024, description="Environment worker pool (infra/env_pool.py): N > 0 = the environments live in N Ray actors of their own (env.worker_cpus each, many environments per actor) and the asynchronous manager (engines/async_env_manager.py) plays every episode as its own loop, its generation requests batched across episodes onto the generation actors, so a slow step delays only its episode; an env worker that dies has its episodes restarted (env.max_retries) or dropped with their group, counted in env_manager/*. 0 = the lock-step manager inside each generation actor (one batched generate per turn).")

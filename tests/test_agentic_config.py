@@ -85,3 +85,18 @@ def test_malformed_env_worker_memory_is_refused_naming_the_field(value):
     with pytest.raises((ConfigError, ValueError)) as info:
         load_config(PRESET, ["env.workers=2", f"env.worker_memory={value}"])
     assert "env.worker_memory" in str(info.value)
+
+
+
+@pytest.mark.parametrize("preset,bad,said,good", [
+    ("webshop_smollm2.yaml", "env.kwargs.reward=partial", "reward='partial'", "env.kwargs.reward=success"),  # out of range
+    ("webshop_smollm2.yaml", "env.kwargs.rewrad=success", "rewrad", "env.kwargs.reward=success"),            # misspelt
+    ("frozenlake.yaml", "env.kwargs.size=1", "size", "env.kwargs.size=5"),
+])
+def test_env_options_the_environment_refuses_fail_at_load_naming_env_kwargs(preset, bad, said, good):
+    """env.kwargs are the environment's constructor options: one it refuses fails when the config
+    loads (before a model import or a warm start), naming env.kwargs and the option; a good one loads."""
+    with pytest.raises((ConfigError, ValueError)) as info:
+        load_config(REPO / "configs" / preset, [bad])
+    assert "env.kwargs" in str(info.value) and said in str(info.value)
+    assert load_config(REPO / "configs" / preset, [good]).env.kwargs[good.split("=")[0].rsplit(".", 1)[1]] is not None

@@ -203,6 +203,32 @@ def test_pages_search_and_pagination():
     assert parse_action("click[Buy Now]") == ("click", "buy now") and parse_action("buy") is None
 
 
+def test_a_success_reward_pays_1_for_a_full_score_and_0_for_a_partial_one_and_reports_the_score():
+    """`reward="success"`: the same episode pays 1 where the score is 1 and 0 where it is partial (the
+    teacher's purchase with its last option click left out); info["score"] is WebShop's r either way."""
+    for seed in range(12):
+        plan = WebShop(page_size=3)
+        plan.reset(seed)
+        actions = plan.solve()
+        assert actions[-1] == "click[buy now]"
+        last_option = max(i for i, a in enumerate(actions) if a[len("click["):-1] in plan.goal.options)
+        for cut in (actions, actions[:last_option] + actions[last_option + 1:]):   # full, then one option short
+            ends = {}
+            for mode in ("score", "success"):
+                env = WebShop(page_size=3, reward=mode)
+                env.reset(seed)
+                for a in cut:
+                    obs, r, done, info = env.step(a)
+                assert done and info["valid_action"]
+                ends[mode] = (r, info["score"], info["success"], obs)
+            (r_score, s1, ok1, _), (r_success, s2, ok2, obs) = ends["score"], ends["success"]
+            assert s1 == s2 == r_score and ok1 == ok2 and r_success == float(ok1)
+            assert ok1 == (cut is actions) and (r_score == 1.0) == ok1 and 0.0 < r_score
+            assert f"webshop score {s1:.2f}" in obs and f"reward {r_success:.2f}" in obs
+    with pytest.raises(ValueError, match="reward='partial'"):
+        WebShop(reward="partial")
+
+
 @pytest.mark.parametrize("action", ["buy", "search[]", "click[buy now]", "click[nothing here]", "click[< prev]",
                                     "click[next >]", "jump[x]", "", "search[x] extra", "click[b0zzzzzzzz]"])
 def test_invalid_actions_give_an_observation_not_a_crash(action):

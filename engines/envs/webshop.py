@@ -37,6 +37,11 @@ observation starts ``invalid``). Episodes take 5-10 actions for the teacher (sea
 turns, the item, 2-3 options, buy); ``solve()`` is that teacher (privileged: it knows the target),
 re-planning from any page, for the bootstrap corpus (``solved_episodes``).
 
+``reward`` is what ``buy now`` pays: ``"score"`` (the default) is WebShop's ``r`` above; ``"success"``
+pays 1 when ``r`` is 1 and 0 otherwise, for RL whose target is the success rate: under the score, a
+purchase that misses one requested value still earns 0.75-0.8, and a policy that stops before its last
+option click loses little. ``info["score"]`` is ``r`` in both, and the final observation prints it.
+
 ``teacher_browses`` (off by default) makes its choice of item one the policy can make too. The
 privileged teacher pages straight to the first hit that earns reward 1, but a results page shows
 titles and prices, not options, so a policy copying it learns to guess. The browsing teacher opens,
@@ -88,6 +93,7 @@ OPTION_VALUES = {
 BRANDS = ["acme", "norla", "vexo", "kindra", "tamsy", "brivo", "olmec", "zendi", "pluma", "rovik"]
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]     # WebShop goal.py's price bounds
 MAX_HITS = 50                                        # WebShop's search returns the top 50
+REWARDS = ("score", "success")                       # what buy now pays: WebShop's score, or 1 for a full score
 
 
 @dataclass(frozen=True)
@@ -200,9 +206,11 @@ class WebShop:
 
     def __init__(self, catalogue_seed: int = 0, per_type: int = 24, page_size: int = 10, brackets: str = "[]",
                  invalid_penalty: float = INVALID_PENALTY, repeat_instruction: bool = True,
-                 teacher_option_rate: float = 1.0, teacher_browses: bool = False):
-        if page_size < 1 or brackets not in ("[]", "()"):
-            raise ValueError(f"webshop: page_size={page_size} (>= 1), brackets={brackets!r} ('[]' or '()')")
+                 teacher_option_rate: float = 1.0, teacher_browses: bool = False, reward: str = "score"):
+        if page_size < 1 or brackets not in ("[]", "()") or reward not in REWARDS:
+            raise ValueError(f"webshop: page_size={page_size} (>= 1), brackets={brackets!r} ('[]' or '()'), "
+                             f"reward={reward!r} ({' or '.join(map(repr, REWARDS))})")
+        self.reward = reward
         self.teacher_option_rate = teacher_rate("webshop", "teacher_option_rate", teacher_option_rate)
         self.teacher_browses = bool(teacher_browses)
         self.products = make_catalogue(catalogue_seed, per_type)
@@ -263,9 +271,12 @@ class WebShop:
                 self.selected[kind] = arg
             elif arg == "buy now":
                 self.done = True
-                r, parts = webshop_reward(product, self.goal, self.by_asin[self.goal.asin], self.selected)
-                return (f"you bought {product.title}. reward {r:.2f}\n", r, True,
-                        step_info(True, True, r >= 1.0 - 1e-9, **parts))
+                score, parts = webshop_reward(product, self.goal, self.by_asin[self.goal.asin], self.selected)
+                success = score >= 1.0 - 1e-9
+                r = score if self.reward == "score" else float(success)
+                said = f"reward {r:.2f}" + ("" if self.reward == "score" else f" (webshop score {score:.2f})")
+                return (f"you bought {product.title}. {said}\n", r, True,
+                        step_info(True, True, success, score=score, **parts))
             else:
                 return self._invalid("that is not clickable on this page")
         else:
