@@ -64,6 +64,7 @@ class Episode:
     final_reply: str = ""                # the environment's last reply (not in the token sequence)
     env_timeout: bool = False            # async manager: a step ran past its timeout (env_error says so)
     policy_versions: list[int] = field(default_factory=list)  # async manager: engine's policy version at each turn
+    score: float | None = None           # the env's own score of the outcome (info["score"], e.g. WebShop's), if it gives one
 
     @property
     def turns(self) -> int:
@@ -305,6 +306,8 @@ def record_reply(ep: Episode, action_ids: list[int], action: str, observation: s
     ep.valid_actions.append(bool(info.get("valid_action", False)))
     ep.effective_actions.append(bool(info.get("effective", False)))
     ep.success = bool(info.get("success", False))
+    if info.get("score") is not None:
+        ep.score = float(info["score"])
     if done or ep.env_error is not None or last_turn:
         ep.done, ep.final_reply = bool(done) and ep.env_error is None, observation
         return False
@@ -343,11 +346,15 @@ def token_rewards(episode: Episode, per_turn: bool = False) -> list[float]:
 def episode_metrics(episodes: list[Episode], prefix: str = "env") -> dict[str, float]:
     """``env/success_rate``, ``env/effective_action_rate`` and ``env/invalid_action_rate`` (shares of
     all actions), ``env/turns`` and ``env/return`` (means per episode), ``env/truncated_rate``,
-    ``env/env_error_rate``."""
+    ``env/env_error_rate``; ``env/score`` where the environment scores outcomes (``info["score"]``:
+    WebShop's score, whatever its ``reward`` pays), the mean over episodes with 0 for one it did not
+    score (no purchase)."""
     if not episodes:
         return {}
     actions = sum(ep.turns for ep in episodes) or 1
+    scored = any(ep.score is not None for ep in episodes)
     return {
+        **({f"{prefix}/score": statistics.fmean(ep.score or 0.0 for ep in episodes)} if scored else {}),
         f"{prefix}/success_rate": statistics.fmean(float(ep.success) for ep in episodes),
         f"{prefix}/effective_action_rate": sum(ep.num_effective for ep in episodes) / actions,
         f"{prefix}/invalid_action_rate": sum(ep.num_invalid for ep in episodes) / actions,

@@ -300,3 +300,27 @@ def test_chat_format_frames_turns_like_the_template_and_keeps_token_in_token_out
         assert tok.decode(runs[3][1]) == "<eos>\n<user>\n" + third_obs + "(end)\n<assistant>\n" and runs[3][0] == 0
     finally:
         tok.chat_template = None
+
+
+def test_an_env_that_scores_its_outcomes_gets_env_score_beside_the_return_it_pays():
+    """WebShop with reward="success" pays 0 for a purchase one option short; the episode keeps WebShop's
+    score of it (info["score"]) and episode_metrics logs env/score, which frozenlake (no score) lacks."""
+    tok = build_char_tokenizer()
+    kwargs = {"page_size": 3, "brackets": "()", "repeat_instruction": False, "reward": "success"}
+    teacher = make_env("webshop", **kwargs)
+    teacher.reset(4)
+    plan = teacher.solve()
+    last_option = max(i for i, a in enumerate(plan) if a[len("click("):-1] in teacher.goal.options)
+    short = plan[:last_option] + plan[last_option + 1:]
+    eps = run_episodes(ScriptedEngine(tok, [a + "\n" for a in short]), tok, "webshop", [4], group_size=1,
+                       max_turns=len(short), max_context_tokens=4000, sampling=SamplingParams(max_new_tokens=40),
+                       env_kwargs=kwargs)
+    (ep,) = eps
+    assert ep.done and not ep.success and ep.episode_return == 0.0 and ep.actions == [a + "\n" for a in short]
+    assert 0.5 <= ep.score < 1.0 and f"webshop score {ep.score:.2f}" in ep.final_reply
+    m = episode_metrics(eps + [Episode(seed=5, group_id=1, sample_id=0, prompt="", prompt_token_ids=[])])
+    assert m["env/score"] == pytest.approx(ep.score / 2)          # the unscored episode counts 0
+    assert m["env/return"] == 0.0 and m["env/success_rate"] == 0.0
+    assert "env/score" not in episode_metrics(run_episodes(ScriptedEngine(tok, ["down\n"]), tok, "frozenlake", [1],
+                                                           group_size=1, max_turns=1, max_context_tokens=1000,
+                                                           sampling=SamplingParams(max_new_tokens=8)))
