@@ -49,6 +49,19 @@ def run(**kw):
     return adv, ret, metrics
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_algorithm_norm_adv_by_std_reaches_gigpo(norm):
+    """`algorithm.norm_adv_by_std` is passed to gigpo by `compute_advantages`: false gives the
+    hand-worked values without std below (a config that sets it is not ignored for gigpo)."""
+    from engines.algorithms.config import AlgorithmConfig
+    from engines.algorithms.objective import compute_advantages
+
+    cfg = AlgorithmConfig(advantage="gigpo", gamma=0.5, norm_adv_by_std=norm)
+    adv, _, _ = compute_advantages(cfg, TOKEN_REWARDS, MASK, INDEX, extra={
+        "turn_index": TURN_INDEX, "step_rewards": STEP_REWARDS, "step_state_ids": STATES})
+    assert torch.allclose(adv, run(norm_by_std=norm)[0], atol=1e-6)
+    assert not torch.allclose(run(norm_by_std=True)[0], run(norm_by_std=False)[0], atol=1e-3)
+
 def test_step_returns_discounted_per_turn():
     # E2: R_2 = 1, R_1 = 0 + 0.5·1 = 0.5, R_0 = 0 + 0.5·0.5 = 0.25
     assert torch.allclose(step_returns(STEP_REWARDS, STATES >= 0, 0.5),

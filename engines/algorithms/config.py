@@ -39,9 +39,10 @@ class AlgorithmConfig(BaseModel):
     )
     norm_adv_by_std: bool = Field(
         True,
-        description="grpo only: divide by the group's reward std. False is Dr.GRPO (2503.20783), "
-        "which removes the bias towards too-easy/too-hard prompts at the cost of a scale that "
-        "depends on the reward range.",
+        description="grpo and gigpo (both of its levels): divide by the group's reward std. False is "
+        "Dr.GRPO (2503.20783), which removes the bias towards too-easy/too-hard prompts at the cost of a "
+        "scale that depends on the reward range; it also keeps a small return difference small (an "
+        "invalid-action penalty between two failed episodes is not scaled up to a success's weight).",
     )
     gamma: float = Field(
         1.0, ge=0.0, le=1.0,
