@@ -73,12 +73,12 @@ def check_config(cfg) -> None:
     if bad:
         raise ValueError(f"data.domains: unknown domain(s) {bad}; expected a subset of {list(DOMAINS)}")
     if cfg.env is not None:
-        from engines.envs import ENVIRONMENTS
+        from engines.envs import ENVIRONMENTS, make_env
 
         if cfg.env.name not in ENVIRONMENTS:
             raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(ENVIRONMENTS)}")
         try:  # a misspelt or out-of-range option fails here, not after the model import and warm start
-            ENVIRONMENTS[cfg.env.name](**cfg.env.kwargs)
+            make_env(cfg.env.name, **cfg.env.kwargs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"env.kwargs: {cfg.env.name!r} refuses {cfg.env.kwargs}: {e}") from None
     for i, src in enumerate(cfg.data.sources):

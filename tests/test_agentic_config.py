@@ -87,7 +87,6 @@ def test_malformed_env_worker_memory_is_refused_naming_the_field(value):
     assert "env.worker_memory" in str(info.value)
 
 
-
 @pytest.mark.parametrize("preset,bad,said,good", [
     ("webshop_smollm2.yaml", "env.kwargs.reward=partial", "reward='partial'", "env.kwargs.reward=success"),  # out of range
     ("webshop_smollm2.yaml", "env.kwargs.rewrad=success", "rewrad", "env.kwargs.reward=success"),            # misspelt

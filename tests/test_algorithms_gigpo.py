@@ -62,6 +62,7 @@ def test_algorithm_norm_adv_by_std_reaches_gigpo(norm):
     assert torch.allclose(adv, run(norm_by_std=norm)[0], atol=1e-6)
     assert not torch.allclose(run(norm_by_std=True)[0], run(norm_by_std=False)[0], atol=1e-3)
 
+
 def test_step_returns_discounted_per_turn():
     # E2: R_2 = 1, R_1 = 0 + 0.5·1 = 0.5, R_0 = 0 + 0.5·0.5 = 0.25
     assert torch.allclose(step_returns(STEP_REWARDS, STATES >= 0, 0.5),
