@@ -11,6 +11,7 @@ from engines.env_manager import Episode, episode_metrics, run_episodes, solved_e
 from engines.envs import ENVIRONMENTS, make_env
 from engines.generation import Completion, HFGenerationEngine, SamplingParams
 from engines.modeling import build_char_tokenizer, build_tiny_policy
+from tests.support.webshop import one_option_short
 
 torch.set_num_threads(1)
 
@@ -309,9 +310,7 @@ def test_an_env_that_scores_its_outcomes_gets_env_score_beside_the_return_it_pay
     kwargs = {"page_size": 3, "brackets": "()", "repeat_instruction": False, "reward": "success"}
     teacher = make_env("webshop", **kwargs)
     teacher.reset(4)
-    plan = teacher.solve()
-    last_option = max(i for i, a in enumerate(plan) if a[len("click("):-1] in teacher.goal.options)
-    short = plan[:last_option] + plan[last_option + 1:]
+    short = one_option_short(teacher, teacher.solve())
     eps = run_episodes(ScriptedEngine(tok, [a + "\n" for a in short]), tok, "webshop", [4], group_size=1,
                        max_turns=len(short), max_context_tokens=4000, sampling=SamplingParams(max_new_tokens=40),
                        env_kwargs=kwargs)

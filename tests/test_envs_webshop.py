@@ -11,6 +11,7 @@ import pytest
 from engines.envs import make_env
 from engines.envs.webshop import Goal, Product, WebShop, make_catalogue, parse_action, search, webshop_reward
 from engines.modeling import CHARSET
+from tests.support.webshop import one_option_short
 
 
 def test_catalogue_is_deterministic_per_seed():
@@ -211,8 +212,7 @@ def test_a_success_reward_pays_1_for_a_full_score_and_0_for_a_partial_one_and_re
         plan.reset(seed)
         actions = plan.solve()
         assert actions[-1] == "click[buy now]"
-        last_option = max(i for i, a in enumerate(actions) if a[len("click["):-1] in plan.goal.options)
-        for cut in (actions, actions[:last_option] + actions[last_option + 1:]):   # full, then one option short
+        for cut in (actions, one_option_short(plan, actions)):   # full, then one option short
             ends = {}
             for mode in ("score", "success"):
                 env = WebShop(page_size=3, reward=mode)
