@@ -61,10 +61,13 @@ class TrainWorker:
 
     def load(self, spec, key: str, training: TrainingConfig, algorithm: AlgorithmConfig | None = None) -> str:
         """Make `key` the policy this actor trains: "cached" when it holds it (it trained it, so it has
-        its optimizer and objective state too), else loaded from the store with its trainer_state.pt.
-        A version of this run published without one (checkpoint.optimizer_every) is rebuilt by
-        replaying the updates since the newest one that has it (tasks/replay.py). `training`,
-        `algorithm`: the config's TrainingConfig and AlgorithmConfig sections."""
+        its optimizer and objective state too), else loaded from the store, with its trainer_state.pt
+        when `key` is this run's own version (a resume). Another run's version (`model.path`) gives its
+        weights only: this run's `training` and `algorithm` settings start afresh, since a loaded
+        optimizer state would bring back that run's learning rate and schedule. A version of this run
+        published without one (checkpoint.optimizer_every) is rebuilt by replaying the updates since the
+        newest one that has it (tasks/replay.py). `training`, `algorithm`: the config's TrainingConfig
+        and AlgorithmConfig sections."""
         if self.key == key:
             return "cached"
         from tasks.common import store_of
@@ -86,16 +89,20 @@ class TrainWorker:
         from engines.strategies import make_strategy
         from engines.training import TorchCriticEngine, TorchTrainEngine
         from tasks.common import TRAINER_STATE, TRAINING_ONLY, fetch_cached
-        from tasks.keys import is_run_key
+        from tasks.keys import is_policy_of
 
         model_dir = fetch_cached(spec, key)
         device, dtype = placed(self.devices, "actor_train")
         if self.offload is not None:  # the engines it holds state of are replaced
             self.offload.discard()
             self.offload = None
-        path = os.path.join(model_dir, TRAINER_STATE)
+        path, own = os.path.join(model_dir, TRAINER_STATE), is_policy_of(spec.run_id, key)
         if state is None:
-            state = torch.load(path, weights_only=True, map_location="cpu") if os.path.exists(path) else {}
+            state = torch.load(path, weights_only=True, map_location="cpu") if own and os.path.exists(path) else {}
+            if not own and os.path.exists(path):
+                print(f"flyroll: policy {key} is another run's version: this run starts from its weights, and its "
+                      f"{TRAINER_STATE} (that run's optimizer moments, learning rate, LR schedule and objective state) "
+                      "is left out, so this run's training and algorithm settings apply", flush=True)
         lora = training.lora.model_dump()
         resume_lora = bool(training.lora.rank) and "lora_adapter" in state and "lora_base" in state
         # LoRA: the adapters sit on the frozen base they started from (the merged checkpoint is for generation)
@@ -109,7 +116,7 @@ class TrainWorker:
         self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy, **strategy_options),
                                        compile=training.compile, compute_dtype=dtype, lora=lora,
                                        gradient_checkpointing=training.gradient_checkpointing, **opt)
-        if not state and is_run_key(key):  # a run's own version without it: pruned
+        if not state and own:  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions that "
                   "hold one keep it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
         if state and self.engine.lora != ("lora_adapter" in state):  # the other mode's optimizer state does not fit

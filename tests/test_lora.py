@@ -191,7 +191,7 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     torch.manual_seed(0)
     live = TrainWorker.__ray_actor_class__(threads=1)
     live.load(spec, "models/base", tcfg, acfg)
-    _, files = live.step(table, acfg, tcfg, 1.0, 1, "runs/x/policy/v0001")
+    _, files = live.step(table, acfg, tcfg, 1.0, 1, f"runs/{spec.run_id}/policy/v0001")
     weights = load_safetensors(files["model.safetensors"])
     assert not any("lora" in k or "base_layer" in k for k in weights) and not any("adapter" in f for f in files)
     state = torch.load(io.BytesIO(files["trainer_state.pt"]), weights_only=True)
@@ -201,15 +201,15 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     for rel, data in files.items():
         (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / rel).write_bytes(data)
-    store.publish(str(ckpt), "runs/x/policy/v0001", kind="checkpoint", producer="test")
+    store.publish(str(ckpt), f"runs/{spec.run_id}/policy/v0001", kind="checkpoint", producer="test")
 
     torch.manual_seed(99)  # another adapter init: the checkpoint's must replace it
     resumed = TrainWorker.__ray_actor_class__(threads=1)
-    resumed.load(spec, "runs/x/policy/v0001", tcfg, acfg)
-    assert live.load(spec, "runs/x/policy/v0001", tcfg, acfg) == "cached"
+    resumed.load(spec, f"runs/{spec.run_id}/policy/v0001", tcfg, acfg)
+    assert live.load(spec, f"runs/{spec.run_id}/policy/v0001", tcfg, acfg) == "cached"
     frozen, _ = frozen_and_adapters(resumed.engine)
     assert all(torch.equal(frozen[k], v) for k, v in params_of(model).items())  # the base, not the merged weights
-    outs = [w.step(table, acfg, tcfg, 1.0, 2, "runs/x/policy/v0002")[1] for w in (live, resumed)]
+    outs = [w.step(table, acfg, tcfg, 1.0, 2, f"runs/{spec.run_id}/policy/v0002")[1] for w in (live, resumed)]
     a, b = (load_safetensors(o["model.safetensors"]) for o in outs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
