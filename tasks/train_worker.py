@@ -98,8 +98,9 @@ class TrainWorker:
             self.offload = None
         path, own = os.path.join(model_dir, TRAINER_STATE), is_policy_of(spec.run_id, key)
         if state is None:
-            state = torch.load(path, weights_only=True, map_location="cpu") if own and os.path.exists(path) else {}
-            if not own and os.path.exists(path):
+            held = os.path.exists(path)
+            state = torch.load(path, weights_only=True, map_location="cpu") if own and held else {}
+            if held and not own:
                 print(f"flyroll: policy {key} is another run's version: this run starts from its weights, and its "
                       f"{TRAINER_STATE} (that run's optimizer moments, learning rate, LR schedule and objective state) "
                       "is left out, so this run's training and algorithm settings apply", flush=True)

@@ -176,7 +176,7 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     from infra.store import ArtifactStore
     from tasks.types import RunSpec
     from tasks.workers import TrainWorker
-    from tests.support.training import _scored_table
+    from tests.support.training import _scored_table, publish_step
 
     model, tok = tiny_policy
     store = ArtifactStore(str(tmp_path / "store"))
@@ -197,11 +197,7 @@ def test_train_worker_publishes_a_merged_checkpoint_and_resumes_on_the_frozen_ba
     state = torch.load(io.BytesIO(files["trainer_state.pt"]), weights_only=True)
     assert state["lora_base"] == "models/base" and state["lora_adapter"]
     assert len(state["optimizer"]["state"]) == len(state["lora_adapter"])  # AdamW state for the adapters only
-    ckpt = tmp_path / "v0001"
-    for rel, data in files.items():
-        (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
-        (ckpt / rel).write_bytes(data)
-    store.publish(str(ckpt), f"runs/{spec.run_id}/policy/v0001", kind="checkpoint", producer="test")
+    publish_step(store, files, tmp_path / "v0001", f"runs/{spec.run_id}/policy/v0001")
 
     torch.manual_seed(99)  # another adapter init: the checkpoint's must replace it
     resumed = TrainWorker.__ray_actor_class__(threads=1)

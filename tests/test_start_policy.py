@@ -20,7 +20,7 @@ def version_of_run_a(tiny_policy, tmp_path, monkeypatch):
     from engines.modeling import save_policy
     from infra.store import ArtifactStore
     from tasks.workers import TrainWorker
-    from tests.support.training import _scored_table
+    from tests.support.training import _scored_table, publish_step
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
     model, tok = tiny_policy
@@ -33,12 +33,8 @@ def version_of_run_a(tiny_policy, tmp_path, monkeypatch):
     worker.load(spec, "models/base", cfg.training, cfg.algorithm)
     key = "runs/a/policy/v0001"
     _, files = worker.step(_scored_table(model, tok), cfg.algorithm, cfg.training, 1.0, 1, key)
-    out = tmp_path / "v1"
-    for name, data in files.items():
-        os.makedirs(out / os.path.dirname(name), exist_ok=True)
-        (out / name).write_bytes(data)
     assert "trainer_state.pt" in files
-    store.publish(str(out), key, kind="checkpoint", producer="test")
+    publish_step(store, files, tmp_path / "v1", key)
     return root, key
 
 

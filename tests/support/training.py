@@ -32,3 +32,15 @@ def is_half(p) -> bool:
     if type(p).__name__ == "DTensor":
         return p.to_local().numel() < p.numel()
     return hasattr(p, "ds_tensor") and p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel
+
+
+def publish_step(store, files: dict[str, bytes], folder, key: str) -> None:
+    """Publish the checkpoint files `TrainWorker.step` returned (relative path -> bytes) as `key`,
+    written under `folder` first, as the training stage does with a rank's returned bytes."""
+    from pathlib import Path
+
+    for rel, data in files.items():
+        path = Path(folder) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    store.publish(str(folder), key, kind="checkpoint", producer="test")
