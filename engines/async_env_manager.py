@@ -223,6 +223,8 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
     episodes = sorted((ep for _, group in kept for ep in group), key=lambda e: (e.group_id, e.sample_id))
     sizes = after.batch_sizes[len(before.batch_sizes):]
     lags = [staleness(ep, version) for ep in episodes]
+    # every complete group's episodes, filtered ones included (with the fallback, the kept are rejected ones)
+    played = (len(rejected_groups) + (0 if fallback else len(kept))) * group_size
     c = run.counts
     metrics = {
         "env_manager/groups_launched": float(launched),
@@ -243,6 +245,8 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
         "env_manager/engine_busy_share": (after.busy_s - before.busy_s) / (seconds * after.engines) if seconds > 0 else 0.0,
         "env_manager/seconds": seconds,
         "env_manager/episodes_per_s": len(episodes) / seconds if seconds > 0 else 0.0,
+        "env_manager/episodes_played": float(played),
+        "env_manager/episodes_played_per_s": played / seconds if seconds > 0 else 0.0,
         "env_manager/staleness_mean": statistics.fmean(lags) if lags else 0.0,
         "env_manager/staleness_max": float(max(lags, default=0)),
         **pool.metrics(),

@@ -237,6 +237,8 @@ def test_keep_filters_groups_and_refills_from_the_next_seeds():
     assert m["env_manager/groups_launched"] < 6                                        # refills only as needed
     assert m["env_manager/groups_kept"] + m["env_manager/groups_filtered"] + m["env_manager/groups_aborted"] \
         == m["env_manager/groups_launched"]
+    assert m["env_manager/episodes_played"] == 2 * (2 + m["env_manager/groups_filtered"])      # groups of 2
+    assert m["env_manager/episodes_played_per_s"] > m["env_manager/episodes_per_s"]
 
 
 def test_keep_with_the_seeds_spent_keeps_fewer_groups():
@@ -250,3 +252,4 @@ def test_keep_rejecting_every_group_falls_back_to_the_first_rejected():
     out = run_async("frozenlake", [0, 1, 2], env_kwargs={"size": 4}, groups_wanted=2, keep=lambda g: False)
     assert len({e.seed for e in out.episodes}) == 2 and out.metrics["env_manager/filter_fallback"] == 1
     assert out.metrics["env_manager/groups_filtered"] == 3 and out.metrics["env_manager/groups_launched"] == 3
+    assert len(out.episodes) == 4 and out.metrics["env_manager/episodes_played"] == 6    # the kept are 2 of the 3 rejected
