@@ -45,7 +45,7 @@ from typing import Any, Callable, TypeVar
 import fsspec
 
 from infra import leases
-from infra.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
+from infra.manifest import MANIFEST_FORMAT, MANIFEST_NAME, FileEntry, Manifest, sha256_file  # noqa: F401 (MANIFEST_FORMAT: re-exported)
 
 log = logging.getLogger(__name__)
 
