@@ -26,7 +26,8 @@ import glob
 import numpy as np
 import pandas as pd
 
-from engines.datasets import decode_nested, encode_nested, mix_domains, split_by_domain
+from engines.datasets import decode_nested, encode_nested
+from engines.prompt_mix import mix_domains, split_by_domain
 from engines.scheduler import DROPPED, RolloutScheduler, group_filters
 from tasks.common import config_of, console, fetch_cached
 from tasks.pools import RayRewards, reward_metrics, with_rewards

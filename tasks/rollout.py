@@ -15,7 +15,7 @@ import pandas as pd
 import ray
 from flytekit import task
 
-from engines.datasets import mix_domains, split_by_domain
+from engines.prompt_mix import mix_domains, split_by_domain
 from infra import tracking
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources

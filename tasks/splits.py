@@ -9,8 +9,9 @@ import tempfile
 import pandas as pd
 
 from engines import datasets, sources
-from engines.datasets import bound_prompts, domain_quotas
+from engines.datasets import bound_prompts
 from engines.fingerprint import fingerprint
+from engines.prompt_mix import domain_quotas, hash_split
 from infra.store import ArtifactStore
 from tasks.types import PolicyRef
 
@@ -47,8 +48,8 @@ def source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
             ev = datasets.load_prompts(src["eval_uri"], default_domain=src["domain"])
             problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
             train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
-        else:  # eval rows by prompt hash, at most 20 % of the file (engines/datasets.py hash_split)
-            split = datasets.hash_split(res.table, n_eval, min_train=min_train, what=f"data.sources file {src['uri']!r}")
+        else:  # eval rows by prompt hash, at most 20 % of the file (engines/prompt_mix.py hash_split)
+            split = hash_split(res.table, n_eval, min_train=min_train, what=f"data.sources file {src['uri']!r}")
             if split.note and notes is not None:
                 notes.append(split.note)
             train, evals = split.train.head(src["train_size"] or len(split.train)), split.evals

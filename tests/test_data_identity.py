@@ -3,7 +3,7 @@
 - engines/fingerprint.py: a file, folder or model folder is fingerprinted by its content (sampled for
   big local inputs, ETag for object stores), and tasks/prepare.py puts the fingerprint into the
   dataset version and the imported model's key;
-- engines/datasets.py hash_split: eval rows by prompt hash, stable when rows are appended, capped at
+- engines/prompt_mix.py hash_split: eval rows by prompt hash, stable when rows are appended, capped at
   20 % of a file (warning naming asked vs used), refused when the train rows would not fill one batch.
 The slow test appends rows and reruns the scheduled `retrain` workflow through `pyflyte run`.
 """
