@@ -28,6 +28,9 @@ the engines that got part of it refuse to generate until they get a full update 
 last good version, or a new sync): never a silent stale or torn policy.
 
 Notation: B bytes of a bucket; every tensor starts at a 64-byte aligned offset in it.
+
+The parts that need no group (the receiver protocol, the report, the per-parameter gathers and a hybrid
+worker's in-process copy) are engines/weight_gather.py; their names are exported here too.
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ import os
 import pickle
 import socket
 import time
-from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
+
+from engines.weight_gather import (  # noqa: F401  (exported here as before the split)
+    SyncReport, WeightReceiver, copy_in_process, full_shape, gather_only, gathered, is_partial, is_shard, numel)
 
 SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
@@ -54,121 +59,22 @@ class WeightSyncError(RuntimeError):
     """A live sync that did not reach every engine; the message names the engine(s) and the version."""
 
 
-class WeightReceiver(Protocol):
-    """What an engine offers to a sync (HFGenerationEngine, VLLMGenerationEngine)."""
-    version: int | None
-
-    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], bool]]: ...  # name -> (shape, required)
-    def weight_dtype(self) -> torch.dtype: ...                           # dtype its weights are held in
-    def update_weights(self, named_tensors, source: str = ..., partial: bool = False) -> None: ...
-    def finish_weight_update(self, version: int) -> None: ...            # all buckets applied: serve `version`
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    version: int
-    transport: str
-    dtype: str
-    buckets: int
-    tensors: int
-    bytes: int                      # payload bytes sent (wire dtype)
-    seconds: float
-    gathered_peak_bytes: int = 0    # the largest full tensor a gather materialised (0: nothing was partitioned)
-
-
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """The unsharded shape: a DTensor's global shape, a ZeRO-3 parameter's `ds_shape`."""
-    return tuple(getattr(t, "ds_shape", None) or t.shape)
-
-
-@contextlib.contextmanager
-def gathered(t: torch.Tensor):
-    """The full tensor of one parameter, gathered on every training rank (a collective of the trainer's
-    own group: every training rank must enter it in the same order, `gather_only` on ranks > 0)."""
-    if hasattr(t, "full_tensor"):              # FSDP2 / DTensor
-        yield t.full_tensor().detach()
-    elif hasattr(t, "ds_id"):                  # DeepSpeed ZeRO-3
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
-            yield t.detach()
-    else:
-        yield t.detach()
-
-
-def is_shard(t: torch.Tensor) -> bool:
-    """Whether `t` is one rank's shard of a parameter (FSDP2 DTensor, ZeRO-3) that `gathered` gathers."""
-    return hasattr(t, "full_tensor") or hasattr(t, "ds_id")
-
-
-def is_partial(t: torch.Tensor) -> bool:
-    """Whether gathering `t` materialises a full tensor this rank did not hold: every FSDP2 DTensor; a
-    ZeRO-3 parameter only while partitioned (DeepSpeed keeps one under `stage3_param_persistence_threshold`
-    elements whole on every rank, and leaves an empty placeholder in place of a partitioned one)."""
-    return hasattr(t, "full_tensor") or (hasattr(t, "ds_id") and t.numel() == 0)
-
-
-def gather_only(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Training ranks > 0 of a sharded trainer: take part in rank 0's per-parameter gathers of a sync
-    (every parameter, in order; rank 0's `send` completes the same gathers even when the sync fails)."""
-    for _, t in named_params:
-        if is_shard(t):
-            with gathered(t):
-                pass
-
-
-def copy_in_process(named_params: Iterable[tuple[str, torch.Tensor]], engine: WeightReceiver, version: int) -> SyncReport:
-    """A hybrid worker's sync (a trainer and its generation engine in one process, tasks/hybrid.py): the
-    trainer's tensors copied straight into the engine's weights, cast to the engine's dtype, no group,
-    no wire buffer. Plain tensors: one full update, every name and shape checked before the first copy
-    (a refused update leaves the engine as it was). Shards (FSDP2, ZeRO-3): gathered one parameter at a
-    time, as `send` gathers them; every training rank calls this at once, in the same parameter order
-    (each gather is a collective of the trainer's group), and each fills its own engine: a partial
-    update (the engine refuses to generate until `finish_weight_update`), checked against the engine's
-    spec first. Returns the report; raises ValueError naming what did not match."""
-    params, start = list(named_params), time.perf_counter()
-    nbytes = sum(_numel(full_shape(t)) for _, t in params) * engine.weight_dtype().itemsize
-    if not any(is_shard(t) for _, t in params):
-        engine.update_weights(params, source=f"the trainer's weights of policy v{version}", version=version)
-        return SyncReport(version, "in_process", str(engine.weight_dtype()).removeprefix("torch."), 0, len(params), nbytes,
-                          time.perf_counter() - start, 0)
-    spec = engine.weight_spec()
-    wrong = [f"{n} {full_shape(t)} != {spec[n][0] if n in spec else 'not in the engine'}"
-             for n, t in params if n not in spec or tuple(spec[n][0]) != full_shape(t)]
-    given = {n for n, _ in params}
-    missing = [n for n, (_, required) in spec.items() if required and n not in given]
-    if wrong or missing:
-        gather_only(params)  # the other ranks make these gathers too: leave none of them waiting
-        raise ValueError(f"the trainer's weights of policy v{version} do not match the engine's model: "
-                         f"missing={missing[:5]} unexpected={wrong[:5]}")
-    peak = 0
-    for name, t in params:
-        partial = is_partial(t)
-        with gathered(t) as full:
-            if partial:
-                peak = max(peak, full.numel() * full.element_size())
-            engine.update_weights([(name, full)], source=f"the trainer's weights of policy v{version}", partial=True)
-    engine.finish_weight_update(version)
-    return SyncReport(version, "in_process", str(engine.weight_dtype()).removeprefix("torch."), 0, len(params), nbytes,
-                      time.perf_counter() - start, peak)
 
 
 def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int) -> list[list[list]]:
     """Buckets of [name, shape, offset] in order, each at most `bucket_bytes` (aligned offsets). A tensor
     larger than a bucket is an error (no chunking: the bucket must hold the largest tensor)."""
     size = torch.empty((), dtype=dtype).element_size()
-    biggest = max(shapes, key=lambda s: _numel(s[1]), default=None)
-    if biggest is not None and _numel(biggest[1]) * size > bucket_bytes:
+    biggest = max(shapes, key=lambda s: numel(s[1]), default=None)
+    if biggest is not None and numel(biggest[1]) * size > bucket_bytes:
         raise ValueError(f"weight sync bucket_bytes={bucket_bytes} is below the largest tensor: {biggest[0]} "
-                         f"{list(biggest[1])} is {_numel(biggest[1]) * size} bytes in {dtype}; set bucket_bytes >= "
-                         f"{_numel(biggest[1]) * size} (tensors are not split across buckets)")
+                         f"{list(biggest[1])} is {numel(biggest[1]) * size} bytes in {dtype}; set bucket_bytes >= "
+                         f"{numel(biggest[1]) * size} (tensors are not split across buckets)")
     buckets, cur, used = [], [], 0
     for name, shape in shapes:
-        nbytes = _numel(shape) * size
+        nbytes = numel(shape) * size
         if cur and align(used) + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, used = [], 0
@@ -179,16 +85,9 @@ def plan_buckets(shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, 
     return buckets
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def bucket_nbytes(bucket: list[list], dtype: torch.dtype) -> int:
     name, shape, off = bucket[-1]
-    return align(off + _numel(shape) * torch.empty((), dtype=dtype).element_size())
+    return align(off + numel(shape) * torch.empty((), dtype=dtype).element_size())
 
 
 DEATH_GRACE_S = 2.0   # how long a failed sync waits for a same-node engine's exit to show before calling it stuck
@@ -213,7 +112,7 @@ def unpack(buf: torch.Tensor, bucket: list[list], dtype: torch.dtype):
     """(name, view) of each tensor of a bucket inside the flat uint8 buffer: no copy."""
     size = torch.empty((), dtype=dtype).element_size()
     for name, shape, off in bucket:
-        yield name, buf[off: off + _numel(shape) * size].view(dtype).view(shape)
+        yield name, buf[off: off + numel(shape) * size].view(dtype).view(shape)
 
 
 class ModelUpdateGroup:
@@ -343,7 +242,7 @@ class ModelUpdateGroup:
                             peak = max(peak, full.numel() * full.element_size())
                         slot.copy_(full)                                  # cast to the wire dtype
                 sums += checksum(view)
-                total += sum(_numel(b[1]) for b in bucket) * wire.itemsize
+                total += sum(numel(b[1]) for b in bucket) * wire.itemsize
                 if self.transport == "broadcast":
                     self._collective("broadcast", view)
                 else:

@@ -14,7 +14,7 @@ stages run unchanged, and:
   reuses (engines/host_memory.py keeps freed memory in the process), the colocated peak going
   toward max(train, generate) rather than their sum (docs/placement.md has the measured figures);
 - with sync.method=live the new weights go from the trainer's tensors into its own engine in the
-  same process (`HybridWorker.sync_in_process`, engines/weight_update.py `copy_in_process`): no
+  same process (`HybridWorker.sync_in_process`, engines/weight_gather.py `copy_in_process`): no
   update group, no wire buffer. Each training rank fills its own worker's engine (a sharded trainer's
   parameters are gathered one at a time on every rank).
 
@@ -168,7 +168,7 @@ class HybridWorker:
         generation engine, which then serves `key` as `version` (engines/weight_update.py
         `copy_in_process`). Called on every training rank at once (a sharded trainer's gathers are
         collectives). Returns the report with the version the engine now serves."""
-        from engines.weight_update import copy_in_process
+        from engines.weight_gather import copy_in_process
 
         train, gen = self._part("actor_train"), self._part("actor_infer")
         _, weights, params, sharded = train.take_sync_weights()

@@ -181,7 +181,7 @@ class TrainWorker:
         from engines.critic_model import CRITIC_SUBDIR, save_critic
         from engines.lora import plain_model
         from engines.modeling import save_policy
-        from engines.weight_update import is_shard
+        from engines.weight_gather import is_shard
         from tasks.common import TRAINER_STATE
 
         t0 = time.perf_counter()
@@ -262,11 +262,11 @@ class TrainWorker:
         `step(keep_weights=True)` -- or, with none kept, its current weights, a sharded trainer's gathered
         one parameter at a time as each bucket fills while ranks > 0 take part in those gathers
         (`gather_only`) -- to the group's engines as `version`; it returns the sync's report
-        (engines/weight_update.py `SyncReport`, plus `kept_bytes`: the bytes of the copies the step kept
+        (engines/weight_gather.py `SyncReport`, plus `kept_bytes`: the bytes of the copies the step kept
         for it) once every engine verified it. Ranks > 0 return None."""
         import dataclasses
 
-        from engines.weight_update import gather_only
+        from engines.weight_gather import gather_only
 
         kept, weights, params, sharded = self.take_sync_weights()
         if self.rank != 0:
@@ -290,7 +290,7 @@ class TrainWorker:
         kept or None, the model's named parameters, resident again after placement.offload_train,
         whether they are shards)."""
         from engines.lora import plain_model
-        from engines.weight_update import is_shard
+        from engines.weight_gather import is_shard
 
         self._resident()  # placement.offload_train: the weights back before they are read
         kept, self.sync_kept = self.sync_kept, False
