@@ -15,9 +15,12 @@ async) or ``vllm`` (engines/vllm_engine.py on the same tiny policy saved to a fo
 ``ContinuousRouter`` when async: requests join vLLM's running batch as they arrive; needs the
 vllm extra, ``bash infra/vllm_venv.sh`` makes its venv). Printed per side: episodes/s and the
 generation engine's busy share (seconds inside ``generate``, or inside vLLM's engine steps, /
-wall seconds). Sides alternate, ``--repeats`` times each. Asserts nothing.
+wall seconds). With ``--extra-groups k`` (default 2) a third side, ``async +k groups``, is the async
+manager over-provisioned as ``env.extra_groups: k`` runs it: ``--seeds`` + k groups at once, the batch
+the first ``--seeds`` to complete, the rest cancelled; its episodes/s counts the batch's episodes only
+(the cancelled ones' work is wasted). Sides alternate, ``--repeats`` times each. Asserts nothing.
 
-    python -m benchmarks.agentic_throughput [--seeds 8] [--group-size 4] [--max-turns 6] [--env-threads 16]
+    python -m benchmarks.agentic_throughput [--seeds 8] [--group-size 4] [--max-turns 6] [--env-threads 16] [--extra-groups 2]
     .venv-vllm/bin/python -m benchmarks.agentic_throughput --engines hf,vllm
 """
 
@@ -100,7 +103,7 @@ def lockstep_side(engine, tok, seeds, args, env_kwargs):
     return len(eps) / wall, timed.busy_s / wall, timed.calls, turns / max(timed.calls, 1), wall
 
 
-def async_side(engine, tok, seeds, args, env_kwargs):
+def async_side(engine, tok, seeds, args, env_kwargs, extra=0):
     if is_streaming(engine):   # vLLM: continuous batching, one request at a time into its running batch
         router = ContinuousRouter(engine)
     else:
@@ -108,9 +111,9 @@ def async_side(engine, tok, seeds, args, env_kwargs):
     pool = ThreadEnvPool(EnvSpec("slow_frozenlake", env_kwargs), threads=args.env_threads)
     SlowFrozenLake.counter = 0
     try:
-        out = run_groups(router, pool, tok, "slow_frozenlake", seeds, group_size=args.group_size,
-                         max_turns=args.max_turns, max_context_tokens=args.max_context, sampling=sampling(args),
-                         step_timeout_s=60.0)
+        out = run_groups(router, pool, tok, "slow_frozenlake", seeds + [max(seeds) + 1 + i for i in range(extra)],
+                         group_size=args.group_size, max_turns=args.max_turns, max_context_tokens=args.max_context,
+                         sampling=sampling(args), step_timeout_s=60.0, groups_wanted=len(seeds), spare=extra)
     finally:
         router.close()
         pool.shutdown()
@@ -137,6 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", default="lognormal,sandbox")
+    p.add_argument("--extra-groups", type=int, default=2, help="the third side's spare groups (0: no third side)")
     p.add_argument("--engines", default="hf", help="comma-separated, each in turn: hf, vllm (the vllm extra)")
     args = p.parse_args(argv)
     engine_names = args.engines.split(",")
@@ -151,6 +155,10 @@ def main(argv=None) -> None:
           f"tiny policy (64 hidden, 2 layers); engines {engine_names}; torch threads {torch.get_num_threads()}, env "
           f"threads (async) {args.env_threads}, HF router max_batch {args.max_batch} max_wait {args.max_wait_ms} ms; "
           f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    sides = [("lock-step", lockstep_side), ("async", async_side)]
+    if args.extra_groups > 0:
+        sides.append((f"async +{args.extra_groups} groups",
+                       lambda *a: async_side(*a, extra=args.extra_groups)))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for engine_name in engine_names:
@@ -160,10 +168,10 @@ def main(argv=None) -> None:
                 for scenario in args.scenarios.split(","):
                     kw = {"latency": scenario, "median_ms": args.median_ms, "sigma": args.sigma}
                     for r in range(args.repeats):
-                        for name, side in (("lock-step", lockstep_side), ("async", async_side)):
+                        for name, side in sides:
                             eps_s, busy, calls, batch, wall = side(engine, tok, seeds, args, kw)
                             rows.append((engine_name, scenario, name, r, eps_s, busy, calls, batch, wall))
-                            print(f"  {engine_name:4} {scenario:9} {name:9} repeat {r}: {eps_s:6.2f} episodes/s, "
+                            print(f"  {engine_name:4} {scenario:9} {name:16} repeat {r}: {eps_s:6.2f} episodes/s, "
                                   f"busy {busy:5.1%}, {wall:6.2f} s", flush=True)
             finally:
                 if hasattr(engine, "close"):
@@ -174,7 +182,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for engine_name in engine_names:
         for scenario in args.scenarios.split(","):
-            for name in ("lock-step", "async"):
+            for name, _ in sides:
                 mine = [row for row in rows if row[:3] == (engine_name, scenario, name)]
                 mean = [sum(row[k] for row in mine) / len(mine) for k in range(4, 9)]
                 threads = "0 (in the loop)" if name == "lock-step" else str(args.env_threads)

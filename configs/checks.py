@@ -130,7 +130,8 @@ def check_agentic(cfg) -> None:
     if not cfg.env.workers:
         default = type(cfg.env)(name=cfg.env.name)
         refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
-                    for k in ("worker_cpus", "worker_memory", "worker_concurrency", "step_timeout_s", "max_retries")
+                    for k in ("worker_cpus", "worker_memory", "worker_concurrency", "step_timeout_s", "max_retries",
+                              "extra_groups")
                     if getattr(cfg.env, k) != getattr(default, k)]
     if refused:
         raise ValueError("the agentic workflow (env set) does not use " + "; ".join(f"{n} ({why})" for n, why in refused)

@@ -15,7 +15,8 @@ Groups: ``len(seeds)`` groups of ``group_size`` episodes are launched (launch mo
 a group is complete when all its episodes are. The batch is the first ``groups_wanted`` complete
 groups; the rest are cancelled (their pending generation requests dropped unsent) and counted.
 With a ``keep`` predicate (dynamic sampling) only ``groups_wanted`` groups run at a time and a
-rejected group is replaced by the next seed's (``rollout_groups``).
+rejected group is replaced by the next seed's; ``spare`` bounds the groups in flight to those still
+needed plus ``spare`` (``rollout_groups``).
 
 Failures, each costing what it must and counted in the metrics:
 - the environment raises in ``step``: that episode ends, ``env_error`` set (as in lock-step);
@@ -167,7 +168,8 @@ class _Run:
 async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenizer, env_name: str, seeds: list[int], *,
                          group_size: int, max_turns: int, max_context_tokens: int, sampling: SamplingParams,
                          groups_wanted: int | None = None, chat: bool = False, step_timeout_s: float = 60.0,
-                         max_retries: int = 1, keep: Callable[[list[Episode]], bool] | None = None) -> AsyncRollout:
+                         max_retries: int = 1, keep: Callable[[list[Episode]], bool] | None = None,
+                         spare: int | None = None) -> AsyncRollout:
     """Launch one group of ``group_size`` episodes per seed (``group_id`` = position in ``seeds``), keep
     the first ``groups_wanted`` (default: all) that complete, cancel the rest. ``env_name`` names the
     pool's environment in error messages; the pool decides what it runs. Everything else is
@@ -178,7 +180,13 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
     ``keep`` rejects (e.g. all returns equal: no advantage) is counted in ``groups_filtered`` and, like a
     dropped group, replaced by the next seed's, until ``seeds`` is spent; then the batch is the groups
     kept so far (possibly fewer than wanted), or, when none passed, the first ``groups_wanted``
-    rejected ones, unfiltered (as the RLVR rollout does, tasks/prompts.py; ``filter_fallback`` = 1)."""
+    rejected ones, unfiltered (as the RLVR rollout does, tasks/prompts.py; ``filter_fallback`` = 1).
+
+    ``spare``: groups run beyond those the batch still needs (over-provisioning, ROLL's rollout
+    scheduler): at most ``groups_wanted - kept + spare`` groups are in flight, so a group that is
+    rejected or dropped is replaced by the next seed's while seeds are left, and one that is kept is
+    not. Default: without ``keep`` every seed's group at once (``len(seeds) - groups_wanted``), with
+    ``keep`` 0."""
     if group_size < 1 or max_turns < 1:
         raise ValueError(f"group_size and max_turns must be >= 1, got {group_size} and {max_turns}")
     wanted = len(seeds) if groups_wanted is None else groups_wanted
@@ -186,12 +194,24 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
         raise ValueError(f"groups_wanted={groups_wanted} must be between 1 and len(seeds)={len(seeds)}")
     run = _Run(router, pool, tokenizer, env_name, list(seeds), group_size, max_turns, max_context_tokens, sampling,
                ChatFormat.of(tokenizer) if chat else None, step_timeout_s, max_retries, f"run{next(_RUNS)}", Counter())
+    spare = (0 if keep is not None else len(seeds) - wanted) if spare is None else spare
+    if spare < 0:
+        raise ValueError(f"spare={spare} must be >= 0")
     before, t0 = router.stats(), time.perf_counter()
-    launched = wanted if keep is not None else len(seeds)
-    tasks = {asyncio.create_task(run.group(g)): g for g in range(launched)}
+    tasks: dict[asyncio.Task, int] = {}
     kept: list[tuple[int, list[Episode]]] = []
     rejected_groups: list[tuple[int, list[Episode]]] = []
-    pending = set(tasks)
+    pending: set[asyncio.Task] = set()
+    launched = 0
+
+    def launch() -> None:   # the next seeds' groups, up to what the batch still needs plus `spare`
+        nonlocal launched
+        while launched < len(seeds) and len(pending) < wanted - len(kept) + spare:
+            t = asyncio.create_task(run.group(launched))
+            tasks[t], launched = launched, launched + 1
+            pending.add(t)
+
+    launch()
     try:
         while pending and len(kept) < wanted:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -202,14 +222,12 @@ async def rollout_groups(router: GenerationRouter, pool: EnvWorkerPool, tokenize
                     run.counts["groups_dropped" if group is None else "groups_filtered"] += 1
                     if rejected:
                         rejected_groups.append((tasks[t], group))
-                    if keep is not None and launched < len(seeds):   # refill with the next seed's group
-                        refill = asyncio.create_task(run.group(launched))
-                        tasks[refill], launched = launched, launched + 1
-                        pending.add(refill)
                 elif len(kept) < wanted:
                     kept.append((tasks[t], group))
                 else:
                     pending.add(t)   # complete but not needed: counted with the aborted ones
+            if len(kept) < wanted:
+                launch()   # replace what was rejected or dropped
     finally:
         for t in pending:
             t.cancel()

@@ -1,9 +1,11 @@
 """Agentic stages: episodes in environments instead of single-turn prompts.
 
-`rollout_episodes` runs many multi-turn episodes in the generation actors (one batched generate
-per turn across episodes, token-in/token-out: the training sequence is exactly what the policy saw
-and produced, environment tokens masked out of the loss); `score_episodes` turns environment
-returns into the `reward` column; `evaluate_episodes` plays the fixed held-out seeds greedily.
+`rollout_episodes` runs many multi-turn episodes (token-in/token-out: the training sequence is
+exactly what the policy saw and produced, environment tokens masked out of the loss): lock-step in
+the generation actors (one batched generate per turn across episodes), or with env.workers > 0 each
+episode its own loop against the env worker pool (engines/async_env_manager.py), which also serves
+dynamic sampling and env.extra_groups; `score_episodes` turns environment returns into the `reward`
+column; `evaluate_episodes` plays the fixed held-out seeds (greedy unless env.eval_temperature).
 Reference forward, training and weight sync are the RLVR tasks, unchanged.
 """
 
@@ -52,18 +54,22 @@ def _has_signal(group: list) -> bool:
 
 
 def _play(spec: RunSpec, policy: PolicyRef, seeds: list[int], group_size: int, greedy: bool, iteration: int = 0,
-          temperature: float | None = None, groups_wanted: int | None = None, keep=None) -> tuple[list, dict[str, float]]:
+          temperature: float | None = None, groups_wanted: int | None = None, keep=None,
+          spare: int | None = None) -> tuple[list, dict[str, float]]:
     """(episodes, manager metrics): lock-step in the generation actors, or (env.workers > 0) the
-    asynchronous manager against the env worker pool, keeping `groups_wanted` groups (default: all)
-    that pass `keep` (the config check allows `keep` with env.workers > 0 only)."""
+    asynchronous manager against the env worker pool, keeping the first `groups_wanted` groups (default:
+    all) to complete that pass `keep`, with `spare` groups in flight beyond those still needed (the
+    manager's default: every seed at once without `keep`; the config check allows `keep` and
+    env.extra_groups with env.workers > 0 only)."""
     cfg = config_of(spec)
     e = cfg.env
     workers = generation_pool(spec, policy)
     params = _params(cfg, greedy, iteration, temperature)
     if e.workers:
-        return _play_async(cfg, workers, policy.version, seeds, group_size, params, groups_wanted, keep)
-    if keep is not None or groups_wanted not in (None, len(seeds)):
-        raise ValueError("the lock-step manager plays every seed's group: group filtering needs env.workers > 0")
+        return _play_async(cfg, workers, policy.version, seeds, group_size, params, groups_wanted, keep, spare)
+    if keep is not None or groups_wanted not in (None, len(seeds)) or spare:
+        raise ValueError("the lock-step manager plays every seed's group: group filtering and env.extra_groups "
+                         "need env.workers > 0")
     shards = [s for s in np.array_split(np.asarray(seeds), len(workers)) if len(s)]
     futures = [w.episodes.remote(e.name, [int(x) for x in shard], group_size, e.max_turns, e.max_context_tokens,
                                  params, dict(e.kwargs), cfg.model.apply_chat_template)
@@ -88,7 +94,7 @@ class _RemoteEngine:
 
 
 def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: int, params, groups_wanted: int | None,
-                keep) -> tuple[list, dict[str, float]]:
+                keep, spare: int | None) -> tuple[list, dict[str, float]]:
     """Every episode its own loop (engines/async_env_manager.py): environments in the env worker
     pool's actors (infra/env_pool.py), generation requests batched across episodes onto `workers`:
     by each actor's continuous-batching engine when all can stream (vLLM, tasks/streams.py), else in
@@ -106,7 +112,8 @@ def _play_async(cfg, workers: list, version: int, seeds: list[int], group_size: 
                           concurrency=e.worker_concurrency, memory_bytes=env_worker_memory_bytes(cfg))
         out = run_groups(router, pool, tokenizer, e.name, seeds, group_size=group_size, max_turns=e.max_turns,
                          max_context_tokens=e.max_context_tokens, sampling=params, chat=cfg.model.apply_chat_template,
-                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries, groups_wanted=groups_wanted, keep=keep)
+                         step_timeout_s=e.step_timeout_s, max_retries=e.max_retries, groups_wanted=groups_wanted, keep=keep,
+                         spare=spare)
     finally:
         router.close()
         if pool is not None:
@@ -142,20 +149,30 @@ def scored_episodes(batch: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def rollout_seeds(cfg, iteration: int) -> tuple[list[int], int | None]:
+    """(the training seeds iteration `iteration` may play, the manager's `spare`): B = prompts_per_iteration
+    seeds; with algorithm.filter_groups B x max_generation_rounds (the rest refill rejected groups), with
+    env.extra_groups k B + k (k groups in flight beyond those still needed). Iterations take consecutive,
+    disjoint blocks from run.seed's start."""
+    B, extra = cfg.rollout.prompts_per_iteration, cfg.env.extra_groups
+    n = B * cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else B + extra
+    base = TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * n
+    return [base + i for i in range(n)], (extra or None)
+
+
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
 def rollout_episodes(spec: RunSpec, policy: PolicyRef, iteration: int) -> pd.DataFrame:
     """B environments (seeds) x G episodes each, played by `policy` (with pipeline.off_policy_steps an
     older version than the one iteration `iteration` trains) -> one row per episode (prompt +
-    interleaved turns)."""
+    interleaved turns). With algorithm.filter_groups or env.extra_groups more seeds' groups are played
+    and the first B to complete (that carry signal) are kept."""
     cfg = config_of(spec)
     B, G = cfg.rollout.prompts_per_iteration, cfg.rollout.samples_per_prompt
     metrics: dict[str, float] = {}
     with stage(spec, "rollout", iteration, metrics):
-        rounds = cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else 1
-        base = TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * B * rounds
-        seeds = [base + i for i in range(B * rounds)]   # filter_groups: B wanted, the rest refill rejected groups
+        seeds, spare = rollout_seeds(cfg, iteration)
         episodes, manager = _play(spec, policy, seeds, G, greedy=False, iteration=iteration, groups_wanted=B,
-                                  keep=_has_signal if cfg.algorithm.filter_groups else None)
+                                  keep=_has_signal if cfg.algorithm.filter_groups else None, spare=spare)
         df = episode_rows(episodes, iteration, cfg.env.name, policy.version)
         check_columns(df, "rollout", at="leaving rollout_episodes")
         metrics.update(manager)

@@ -65,7 +65,8 @@ def test_agentic_refusal_lists_every_field_at_once():
     assert "dynamic sampling" in str(info.value)
 
 
-@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_memory=1Gi", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3"])
+@pytest.mark.parametrize("field", ["worker_cpus=2", "worker_memory=1Gi", "worker_concurrency=4", "step_timeout_s=5", "max_retries=3",
+                                   "extra_groups=2"])
 def test_env_pool_options_need_env_workers(field):
     with pytest.raises((ConfigError, ValueError)) as info:
         load_config(PRESET, [f"env.{field}"])

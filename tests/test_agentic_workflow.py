@@ -12,14 +12,15 @@ from tests.support.agentic import _history, _run
 def test_agentic_workflow_end_to_end(tmp_path):
     """A Ray cluster per task (the path a Flyte cluster runs), the environments in a Ray env worker pool
     (env.workers: each stage's cluster gets its `<stage>-env-workers` pod), and dynamic sampling
-    (algorithm.filter_groups): groups with all-equal returns are refilled from further seeds. Evaluated
-    at 0 and at the end (2), not after every iteration: one cluster fewer."""
+    (algorithm.filter_groups): groups with all-equal returns are refilled from further seeds, with one group
+    more in flight than still needed (env.extra_groups), the surplus cancelled and counted. Evaluated at 0
+    and at the end (2), not after every iteration: one cluster fewer."""
     import pandas as pd
 
     from infra.store import ArtifactStore
 
     c, run, _ = _run(tmp_path, "tests/configs/agentic_e2e.yaml", ray_mode="per-task", loop={"eval_every": 2},
-                     env={"workers": 2, "worker_cpus": 0.5},
+                     env={"workers": 2, "worker_cpus": 0.5, "extra_groups": 1},
                      algorithm={"filter_groups": True, "max_generation_rounds": 3})
     assert _history(c, run, "timing/rollout_ray_start_s") and _history(c, run, "timing/evaluation_ray_start_s")
     for key in ("env/success_rate", "env/effective_action_rate", "env/invalid_action_rate", "env/turns",
@@ -32,10 +33,12 @@ def test_agentic_workflow_end_to_end(tmp_path):
     assert 0.0 <= values("reference/kl_k3")[0] < 1e-4, values("reference/kl_k3")
     rows = list(zip(values("env_manager/filter_fallback"), values("reward/groups_all_equal_frac"),
                     values("env_manager/groups_kept"), values("env_manager/groups_launched"),
-                    values("env_manager/groups_filtered")))
+                    values("env_manager/groups_filtered"), values("env_manager/groups_aborted"),
+                    values("env_manager/groups_dropped")))
     assert len(rows) == 2, rows
-    for fallback, all_equal, kept, launched, filtered in rows:
-        assert 2 <= launched <= 6                                    # B = 2 at a time, B x max_generation_rounds seeds
+    for fallback, all_equal, kept, launched, filtered, aborted, dropped in rows:
+        assert 3 <= launched <= 6                                    # B = 2 + 1 spare at a time, B x rounds seeds
+        assert (0 if fallback else kept) + filtered + aborted + dropped == launched, rows
         if fallback:                                                 # none passed: the first B rejected, unfiltered
             assert (kept, launched, filtered) == (2, 6, 6)
         else:                                                        # kept groups carry signal; fewer only when spent
@@ -113,6 +116,28 @@ def test_agentic_off_policy_episodes_lag_one_version_and_are_corrected(tmp_path)
     assert gap[1] < 1e-3, gap
     for i, differ in lagged.items():
         assert (gap[i] > 10 * gap[1] + 1e-3) == differ, (i, gap, lagged)
+
+
+@pytest.mark.parametrize("overrides,seeds,spare", [
+    ([], [[0, 1], [2, 3]], None),                                            # exactly B groups
+    (["env.workers=1", "env.extra_groups=2"], [[0, 1, 2, 3], [4, 5, 6, 7]], 2),   # B + k, k spare
+    (["env.workers=1", "algorithm.filter_groups=true", "algorithm.max_generation_rounds=3"],
+     [list(range(6)), list(range(6, 12))], None),                           # B x rounds, refills
+    (["env.workers=1", "algorithm.filter_groups=true", "algorithm.max_generation_rounds=3", "env.extra_groups=1"],
+     [list(range(6)), list(range(6, 12))], 1),
+])
+def test_rollout_seeds_take_disjoint_blocks_sized_by_filtering_and_extra_groups(overrides, seeds, spare):
+    from configs.schema import load_config
+    from tasks.agentic import rollout_seeds
+    from tasks.prompts import TRAIN_SEED0
+    from tests.support.workflow import REPO
+
+    cfg = load_config(REPO / "tests/configs/agentic_e2e.yaml", overrides)   # B = 2
+    got = [rollout_seeds(cfg, i) for i in (1, 2)]
+    assert [s for s, _ in got] == [[TRAIN_SEED0 + x for x in block] for block in seeds]
+    assert {k for _, k in got} == {spare}
+    seed1 = rollout_seeds(load_config(REPO / "tests/configs/agentic_e2e.yaml", [*overrides, "run.seed=1"]), 1)[0]
+    assert not set(seed1) & {x for s, _ in got for x in s}                  # another run.seed, other seeds
 
 
 def test_gigpo_runs_on_agentic_rows(tiny_policy):

@@ -161,6 +161,45 @@ def test_the_batch_is_the_first_complete_groups_and_the_rest_are_aborted(scripte
     assert answered < sum(e.turns for e in out.episodes) + 8 * 6                # the aborted episodes stopped early
 
 
+def test_a_spare_group_keeps_a_hung_environment_from_holding_the_batch(scripted):
+    """Over-provisioning (env.extra_groups): 2 groups wanted + 1 spare in flight, out of 6 seeds. Seed 0's
+    environment hangs; the batch is the next two groups to complete, the hung group is aborted and
+    counted, and seeds 3-5 never start (a completed group is replaced only while the batch still needs
+    one). Without the spare the batch would wait for seed 0 until env.step_timeout_s."""
+    scripted.behaviour = {0: "hang"}
+    tok = build_char_tokenizer()
+    router = BatchingRouter([PromptHashEngine(tok)], max_batch=32, max_wait_s=0.005)
+    pool = ThreadEnvPool(EnvSpec("scripted"), threads=16)
+    try:
+        out = run_groups(router, pool, tok, "scripted", [0, 1, 2, 3, 4, 5], group_size=2, groups_wanted=2, spare=1,
+                         max_turns=6, max_context_tokens=1500, sampling=SamplingParams(max_new_tokens=8, stop=("\n",)))
+    finally:
+        router.close()
+        pool.shutdown()
+    m = out.metrics
+    assert sorted(out.groups) == [1, 2] and sorted({e.seed for e in out.episodes}) == [1, 2] and len(out.episodes) == 4
+    assert (m["env_manager/groups_launched"], m["env_manager/groups_kept"], m["env_manager/groups_aborted"]) == (3, 2, 1)
+    assert m["env_manager/episodes_aborted"] == 2 and m["env_manager/env_timeouts"] == 0
+
+
+def test_spare_with_keep_runs_that_many_more_at_a_time():
+    """Dynamic sampling with a spare: 2 wanted + 1 spare run at once, rejected groups are refilled from the
+    next seeds, the kept groups are the lock-step reference's episodes for their seeds; a negative spare
+    is refused."""
+    ref = {(e.seed, e.sample_id): e for e in lockstep("frozenlake", list(range(8)), env_kwargs={"size": 4})}
+    keep = lambda g: g[0].seed % 3 == 0   # noqa: E731 -- seeds 0, 3, 6 pass
+    out = run_async("frozenlake", list(range(8)), env_kwargs={"size": 4}, groups_wanted=2, keep=keep, spare=1)
+    seeds = sorted({e.seed for e in out.episodes})
+    assert len(seeds) == 2 and set(seeds) <= {0, 3, 6} and len(out.episodes) == 4
+    assert all(fields(e) == fields(ref[(e.seed, e.sample_id)]) | {"group_id": e.group_id} for e in out.episodes)
+    m = out.metrics
+    assert m["env_manager/groups_filtered"] >= 1 and m["env_manager/groups_kept"] == 2 and m["env_manager/filter_fallback"] == 0
+    assert m["env_manager/groups_kept"] + m["env_manager/groups_filtered"] + m["env_manager/groups_aborted"] \
+        == m["env_manager/groups_launched"] >= 4                                       # seeds 0-2 at once, then refills
+    with pytest.raises(ValueError, match="spare=-1"):
+        run_async("frozenlake", [0, 1], env_kwargs={"size": 4}, groups_wanted=1, spare=-1)
+
+
 def test_the_router_batches_concurrent_requests_across_engines():
     tok = build_char_tokenizer()
     engines = [PromptHashEngine(tok, delay_s=0.02), PromptHashEngine(tok, delay_s=0.02)]
