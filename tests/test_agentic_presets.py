@@ -114,7 +114,7 @@ def test_tool_table_smollm2_preset_raises_held_out_accuracy_by_calling_the_calcu
     assert _history(c, run, "eval/invalid_action_rate")[-1][1] <= 0.05
 
 
-@pytest.mark.nightly  # ~60 min alone on 2 cores at the preset's 2 torch threads: the warm start (1,333 s), 6 iterations
+@pytest.mark.nightly  # 3,390 s on 2 cores at the preset's 2 torch threads (passed 2026-12-07): the warm start, 6 iterations
 @pytest.mark.timeout(7200)
 @pytest.mark.xdist_group("smollm2")
 def test_webshop_smollm2_preset_raises_held_out_success_by_choosing_the_options(tmp_path):
