@@ -129,7 +129,8 @@ def check_agentic(cfg) -> None:
         refused += [(f"{section}.{k}", why) for k in type(model).model_fields if getattr(model, k) != getattr(default, k)]
     if not cfg.env.workers:
         default = type(cfg.env)(name=cfg.env.name)
-        refused += [(f"env.{k}", "it configures the env worker pool, which env.workers: 0 does not start")
+        refused += [(f"env.{k}", "it configures the env worker pool or the asynchronous manager, which env.workers: 0 "
+                     "does not start")
                     for k in ("worker_cpus", "worker_memory", "worker_concurrency", "step_timeout_s", "max_retries",
                               "extra_groups")
                     if getattr(cfg.env, k) != getattr(default, k)]
