@@ -149,7 +149,7 @@ def scored_episodes(batch: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def rollout_seeds(cfg, iteration: int) -> tuple[list[int], int | None]:
+def rollout_seeds(cfg, iteration: int) -> tuple[list[int], int]:
     """(the training seeds iteration `iteration` may play, the manager's `spare`): B = prompts_per_iteration
     seeds; with algorithm.filter_groups B x max_generation_rounds (the rest refill rejected groups), with
     env.extra_groups k B + k (k groups in flight beyond those still needed). Iterations take consecutive,
@@ -157,7 +157,7 @@ def rollout_seeds(cfg, iteration: int) -> tuple[list[int], int | None]:
     B, extra = cfg.rollout.prompts_per_iteration, cfg.env.extra_groups
     n = B * cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else B + extra
     base = TRAIN_SEED0 + cfg.run.seed * 1_000_003 + (iteration - 1) * n
-    return [base + i for i in range(n)], (extra or None)
+    return [base + i for i in range(n)], extra
 
 
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))

@@ -119,10 +119,10 @@ def test_agentic_off_policy_episodes_lag_one_version_and_are_corrected(tmp_path)
 
 
 @pytest.mark.parametrize("overrides,seeds,spare", [
-    ([], [[0, 1], [2, 3]], None),                                            # exactly B groups
+    ([], [[0, 1], [2, 3]], 0),                                               # exactly B groups
     (["env.workers=1", "env.extra_groups=2"], [[0, 1, 2, 3], [4, 5, 6, 7]], 2),   # B + k, k spare
     (["env.workers=1", "algorithm.filter_groups=true", "algorithm.max_generation_rounds=3"],
-     [list(range(6)), list(range(6, 12))], None),                           # B x rounds, refills
+     [list(range(6)), list(range(6, 12))], 0),                              # B x rounds, refills
     (["env.workers=1", "algorithm.filter_groups=true", "algorithm.max_generation_rounds=3", "env.extra_groups=1"],
      [list(range(6)), list(range(6, 12))], 1),
 ])
