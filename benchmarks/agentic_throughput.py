@@ -5,13 +5,13 @@ that each environment step costs time:
   - ``lognormal``: the step sleeps a long-tailed latency, lognormal with median ``--median-ms`` and
     shape ``--sigma`` (sigma 1.5: mean 3.1x the median, p99 33x), drawn from (seed, sample, turn) so
     both managers wait the same;
-  - ``sandbox``: the step first runs ``print(1+1)`` in the real sandbox (engines/sandbox.py,
+  - ``sandbox``: the step first runs ``print(1+1)`` in the real sandbox (engines/sandbox/runner.py,
     bubblewrap), as a Python tool call would.
-Lock-step (engines/env_manager.py) steps the live episodes one after another inside its turn loop,
-then generates once for all; async (engines/async_env_manager.py) steps them on ``--env-threads``
+Lock-step (engines/agentic/env_manager.py) steps the live episodes one after another inside its turn loop,
+then generates once for all; async (engines/agentic/async_env_manager.py) steps them on ``--env-threads``
 threads (``ThreadEnvPool``) while the router batches whatever requests are pending. The engine
-(``--engines``, each in turn): ``hf`` (engines/generation.py, behind a ``BatchingRouter`` when
-async) or ``vllm`` (engines/vllm_engine.py on the same tiny policy saved to a folder, behind a
+(``--engines``, each in turn): ``hf`` (engines/generation/engine.py, behind a ``BatchingRouter`` when
+async) or ``vllm`` (engines/generation/vllm_engine.py on the same tiny policy saved to a folder, behind a
 ``ContinuousRouter`` when async: requests join vLLM's running batch as they arrive; needs the
 vllm extra, ``bash infra/vllm_venv.sh`` makes its venv). Printed per side: episodes/s and the
 generation engine's busy share (seconds inside ``generate``, or inside vLLM's engine steps, /
@@ -35,14 +35,14 @@ import time
 
 import torch
 
-from engines.async_env_manager import run_groups
-from engines.env_manager import run_episodes
-from engines.env_workers import EnvSpec, ThreadEnvPool
-from engines.envs import ENVIRONMENTS, make_env
-from engines.generation import HFGenerationEngine, SamplingParams
-from engines.generation_router import BatchingRouter, ContinuousRouter, is_streaming
-from engines.modeling import build_tiny_policy, save_policy
-from engines.sandbox import run_program
+from engines.agentic.async_env_manager import run_groups
+from engines.agentic.env_manager import run_episodes
+from engines.agentic.env_workers import EnvSpec, ThreadEnvPool
+from engines.agentic.envs import ENVIRONMENTS, make_env
+from engines.generation.engine import HFGenerationEngine, SamplingParams
+from engines.generation.router import BatchingRouter, ContinuousRouter, is_streaming
+from engines.models.modeling import build_tiny_policy, save_policy
+from engines.sandbox.runner import run_program
 
 
 class SlowFrozenLake:
@@ -197,7 +197,7 @@ def make_engine(name: str, model, tok, tmp: str, args):
     (float32, as the HF engine; one request seed per call)."""
     if name == "hf":
         return HFGenerationEngine(model.eval(), tok)
-    from engines.vllm_engine import VLLMGenerationEngine
+    from engines.generation.vllm_engine import VLLMGenerationEngine
 
     path = save_policy(model, tok, os.path.join(tmp, "policy"))
     return VLLMGenerationEngine(path, max_model_len=args.max_context + 16, kv_cache_gb=1, seed=0)

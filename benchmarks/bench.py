@@ -120,7 +120,7 @@ def vllm_python(venv: Path, setup: bool) -> Path | None:
 def prepare_model(name: str, root: str) -> tuple[str, bool]:
     """(model_dir, chat): the tiny default shape (random init, seed 0) or SmolLM2-135M-Instruct.
     Run in a child process (prepare_model_in_child) so the benchmark driver stays small."""
-    from engines.modeling import build_tiny_policy, import_gguf, packaged_gguf, save_policy
+    from engines.models.modeling import build_tiny_policy, import_gguf, packaged_gguf, save_policy
 
     out = os.path.join(root, name)
     if name == "tiny":
@@ -142,7 +142,7 @@ def prepare_model_in_child(name: str, root: str) -> tuple[str, bool]:
 
 
 def problems_for(n: int) -> list[dict]:
-    from engines.synthetic import make_problems
+    from engines.data.synthetic import make_problems
 
     return [{"prompt": p.prompt, "answer": p.answer} for p in make_problems("train", n, seed=0)]
 

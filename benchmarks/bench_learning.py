@@ -6,7 +6,7 @@
 
 What it compares: both systems train the same base model (CONFIG's `model`, built once as the
 workflow builds it: benchmarks/learning_prep.py) on the same train table (CONFIG's data section
-through tasks/splits.py `build_splits`, the workflow's own tables, built once; `--generators
+through tasks/run/splits.py `build_splits`, the workflow's own tables, built once; `--generators
 NAME[:{json}]` replaces the generators of CONFIG's reasoning_gym source, so the comparison can run on
 tasks neither side was tuned on) with the same reward, group size G, prompts per step B, samples per optimizer step
 (training.mini_batch_size), max new tokens, temperature, top_p, learning rate (constant after
@@ -23,7 +23,7 @@ counted from its process start. They run one after the other on the same box, fl
   not counted), stopped at the budget.
 Then up to --eval-points checkpoints per system, spread over the budget (the latest one at or before
 each of evenly spaced times, always the last one), and the base model once at t=0, are evaluated by
-the same code: engines/evaluation.py `evaluate` (greedy accuracy, overall, per domain and per
+the same code: engines/rewards/evaluation.py `evaluate` (greedy accuracy, overall, per domain and per
 reasoning-gym generator; with the rollout's stop strings and --pass-k sampled pass@k when that
 evaluate() accepts them) on CONFIG's eval split (less any prompt that is also a train prompt:
 counted and printed), one at a time after both runs. Printed: the time -> accuracy table per system, the
@@ -59,11 +59,11 @@ from pathlib import Path
 from benchmarks.bench_learning_report import evaluate_points, print_tables, report_html
 from benchmarks.bench_pipeline import workflow_command
 from benchmarks.harness import BENCH_DIR, REPO, _version, box_probe, ensure_trl_venv
-from tasks.keys import parse_policy_key
+from tasks.run.keys import parse_policy_key
 
 
 
-# ---- pure functions (tests/test_bench_learning.py) -----------------------------------------------------
+# ---- pure functions (tests/benchmarks/test_bench_learning.py) -----------------------------------------------------
 
 def parse_generators(specs: list[str], known) -> tuple[list[str], dict[str, dict]]:
     """`NAME` or `NAME:{json kwargs}` specs -> (names, settings per name); ValueError naming the bad ones."""

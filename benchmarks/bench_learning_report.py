@@ -34,15 +34,15 @@ def curve_svg(curves: dict[str, list[tuple[float, float]]], budget_s: float) -> 
 
 
 def evaluate_points(points: list[dict], table, cfg, threads: int, pass_k: int) -> None:
-    """Adds "metrics" to each point (its "dir" a model directory): engines/evaluation.py `evaluate`
+    """Adds "metrics" to each point (its "dir" a model directory): engines/rewards/evaluation.py `evaluate`
     on `table` with the config's max new tokens, chat template, reward routing and stop strings."""
     import inspect
 
     import torch
 
-    from engines.evaluation import evaluate
-    from engines.generation import HFGenerationEngine
-    from engines.modeling import load_policy
+    from engines.rewards.evaluation import evaluate
+    from engines.generation.engine import HFGenerationEngine
+    from engines.models.modeling import load_policy
 
     torch.set_num_threads(threads)
     accepts = inspect.signature(evaluate).parameters

@@ -5,7 +5,7 @@ SQLite MLflow) on the benchmark's model with the same batch (B x G), max new tok
 rate, for N iterations, with HOME and the run folder in a temporary directory; then reads the
 per-iteration stage timings back from MLflow.
 
-Every stage task logs `timing/<stage>_s` (tasks/common.py `stage()`: the task body, its Ray actor
+Every stage task logs `timing/<stage>_s` (tasks/run/common.py `stage()`: the task body, its Ray actor
 calls and its artifact reads/writes) at step=iteration, at the moment the stage ends; MLflow keeps
 that moment as the point's timestamp. So an iteration's wall time is the time between the end of
 the previous iteration's weight sync (or of the evaluation that followed it) and the end of its own,
@@ -20,19 +20,19 @@ model registration. Iteration 1 (actor start, first model loads) is shown apart 
 Modes (`--pipeline-modes`, default all three, run one after the other on the same config and
 threads): `shared` (FLYROLL_RAY=shared: one local Ray for the run, engine actors reused),
 `per-task` (FLYROLL_RAY=per-task: each stage task starts and stops its own cluster,
-infra/ray_cluster.py) and `fused` (`loop.fuse: N`, all N iterations in one task, tasks/fused.py,
+infra/ray_cluster.py) and `fused` (`loop.fuse: N`, all N iterations in one task, tasks/stages/fused.py,
 with FLYROLL_RAY=per-task so that its one cluster has the per-task shape and it compares with
 `per-task`); opt-in `async` is `fused` with `pipeline.off_policy_steps: 1` (the next rollout runs in
 a thread beside the update, so stage seconds overlap and orchestration can come out negative;
 compare its wall and samples/s with `fused`); opt-in `fused-live` is `fused` with `sync.method: live`
-(the trainer sends each policy to the generation actors, tasks/live_sync.py; compare with `fused`);
+(the trainer sends each policy to the generation actors, tasks/loop/live_sync.py; compare with `fused`);
 opt-in `fused-live-lean` is `fused-live` with `checkpoint.publish_every: 4` (compare with `fused-live`). A second table puts them side by side, per mode for iteration 1, the mean of 2..N and
 the mean of 1..N: wall, compute (the five stage bodies), orchestration (wall - compute) and, within
 orchestration, the Ray cluster start seconds on that iteration's clock (`timing/<stage>_ray_start_s`,
 logged in per-task mode; 0 in shared mode; a fused chunk's one start is counted once, on the chunk's
 first iteration, so the 1..N row spreads it over the chunk), and the rest of orchestration (Flyte
 dispatch and type conversion between tasks, MLflow outside the stage bodies). Engine actor start and
-the policy's load from the store happen inside a stage's body (tasks/rollout.py, tasks/training.py),
+the policy's load from the store happen inside a stage's body (tasks/stages/rollout.py, tasks/stages/training.py),
 so they count as compute here and are not timed apart: iteration 1 vs 2..N, and per-task (actors
 made in every task) vs shared/fused (actors kept), shows them as a difference in compute.
 
@@ -41,7 +41,7 @@ made in every task) vs shared/fused (actors kept), shows them as a difference in
 reference stage then runs no forward, as the step runs none), the step's reward (`--reward`,
 benchmarks/bench_reward.py) for the synthetic domains, and in the cluster-shaped modes each engine
 actor reserving `--threads` CPUs (`placement.<role>.cpu`), since an actor's torch threads are capped
-by its Ray CPU reservation (engines/threads.py) and the cpu profile reserves 1 CPU per actor. What
+by its Ray CPU reservation (engines/models/threads.py) and the cpu profile reserves 1 CPU per actor. What
 stays different is what the pipeline does beyond the step: a checkpoint per version (weights and
 optimizer state), its publish to the store with lineage, MLflow, the table between stages.
 """
@@ -61,15 +61,15 @@ STAGES = ("rollout", "scoring", "reference", "training", "weight_sync")
 # --pipeline-modes: mode -> (FLYROLL_RAY, fused, pipeline.off_policy_steps). `fused` runs every
 # iteration in one task (loop.fuse: N) on the per-task cluster shape, so it is compared with
 # `per-task`; `async` is `fused` with off_policy_steps 1 (and algorithm.tis_cap 2.0): the next
-# iteration's rollout runs beside the update (tasks/fused.py), so it is compared with `fused`.
+# iteration's rollout runs beside the update (tasks/stages/fused.py), so it is compared with `fused`.
 MODES = {"shared": ("shared", False, 0), "per-task": ("per-task", False, 0), "fused": ("per-task", True, 0),
          "async": ("per-task", True, 1), "fused-live": ("per-task", True, 0), "fused-live-lean": ("per-task", True, 0)}
 # `fused-live` is `fused` with sync.method live: the trainer sends each policy to the generators
-# (tasks/live_sync.py) instead of their fetching and loading the published checkpoint; compare with `fused`.
-# `fused-live-lean` is `fused-live` with checkpoint.publish_every LEAN_EVERY (tasks/publish_plan.py):
+# (tasks/loop/live_sync.py) instead of their fetching and loading the published checkpoint; compare with `fused`.
+# `fused-live-lean` is `fused-live` with checkpoint.publish_every LEAN_EVERY (tasks/loop/publish_plan.py):
 # most versions are neither written nor uploaded; compare with `fused-live`
 LIVE = {"fused-live", "fused-live-lean"}
-# the synthetic domains the bench step's prompts come from (engines/synthetic.py DOMAINS, the data default)
+# the synthetic domains the bench step's prompts come from (engines/data/synthetic.py DOMAINS, the data default)
 STEP_DOMAINS = ("arithmetic", "reverse")
 STEP_ROLES = ("actor_train", "actor_infer", "reference")  # the engine actors a bench step's work runs on
 LEAN_EVERY = 4
@@ -79,7 +79,7 @@ def cluster_starts(points: dict[str, dict[int, tuple[float, float]]], iterations
     """Ray cluster start seconds on each iteration's clock, from `<stage>_ray_start` points.
 
     points: as `iteration_breakdown` takes, with `<stage>_ray_start` -> {step: (timestamp_s, seconds)}
-    for the stages (tasks/common.py `stage()` logs `timing/<stage>_ray_start_s` when its task runs on
+    for the stages (tasks/run/common.py `stage()` logs `timing/<stage>_ray_start_s` when its task runs on
     its own cluster, FLYROLL_RAY=per-task). A cluster is known by its start seconds: every stage of a
     fused chunk (one task, one cluster) logs the same value in every iteration of the chunk, so within
     an iteration equal values are one cluster, and a stage that logs the value it logged in the
@@ -193,7 +193,7 @@ def pipeline_config(name: str, model_dir: str, chat: bool, engine: str, args, ou
         **({"checkpoint": {"publish_every": LEAN_EVERY}} if mode == "fused-live-lean" else {}),
         # --pipeline-as-step: every engine actor reserves --threads CPUs, so it runs --threads torch threads
         # as the bench step's one process does (an actor's threads are capped by its Ray CPU reservation,
-        # engines/threads.py, and the cpu profile's actors reserve 1 CPU each on a cluster-shaped run)
+        # engines/models/threads.py, and the cpu profile's actors reserve 1 CPU each on a cluster-shaped run)
         **({"placement": {role: {"cpu": float(args.threads)} for role in STEP_ROLES}}
            if as_step and MODES[mode][0] == "per-task" else {}),
     }
@@ -227,7 +227,7 @@ def run_pipeline(name: str, model_dir: str, chat: bool, engine: str, args, workd
         proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             log.write(line)
-            if "▸" in line:  # the stage lines of tasks/common.py
+            if "▸" in line:  # the stage lines of tasks/run/common.py
                 print(f"[{name}] {line.rstrip()}", flush=True)
         rc = proc.wait()
     total = time.time() - t0

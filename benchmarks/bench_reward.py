@@ -5,7 +5,7 @@ different environments; both find this file next to them on sys.path).
   completion as a word of its own; else a brevity term 0.2 * (1 - min(len, 200) / 200) of the
   completion's length in characters. Samples of one prompt almost never tie, so every group has
   non-zero advantages and the update does its full work in both systems.
-- `exact`: 1.0 when the first line is the answer, else 0.0 (`engines/synthetic.exact_match_reward`).
+- `exact`: 1.0 when the first line is the answer, else 0.0 (`engines/rewards/exact_match.py `exact_match_reward``).
   A binary reward, as most RLVR runs use; a group whose samples all score alike has zero
   advantages (SmolLM2 at temperature 1 solves none of these prompts: every group does).
 """

@@ -20,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engines.strategies import STRATEGIES  # noqa: E402
-from tests.strategy_ranks import run_strategy  # noqa: E402
+from engines.training.strategies import STRATEGIES  # noqa: E402
+from tests.support.strategy_ranks import run_strategy  # noqa: E402
 
 
 def main() -> None:

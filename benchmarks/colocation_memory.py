@@ -2,7 +2,7 @@
 (`placement.offload_generation`), the trainer's state offloaded while they run
 (`placement.offload_train`) and the reference's models dropped between its forwards
 (`placement.offload_reference`), and with the three roles in one process per training worker
-(`placement.hybrid`, tasks/hybrid.py), against the same pipeline with everything resident.
+(`placement.hybrid`, tasks/actors/hybrid.py), against the same pipeline with everything resident.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.colocation_memory --models tiny,smollm2 --iterations 2 \
         --offload none,weights,weights:all:ref,weights:all:ref:hybrid

@@ -1,5 +1,5 @@
 """The default run beside another job: wall time alone and beside a fixed competing CPU load, with
-OpenMP's default spinning wait ("before") and flyroll's passive wait ("after", engines/threads.py).
+OpenMP's default spinning wait ("before") and flyroll's passive wait ("after", engines/models/threads.py).
 
     python -m benchmarks.contention                                   # bootstrap steps + a shortened default run
     python -m benchmarks.contention --iterations 2 --bootstrap-steps 60 --timeout 1200
@@ -7,8 +7,8 @@ OpenMP's default spinning wait ("before") and flyroll's passive wait ("after", e
 
 Two measurements, each in fresh processes, in the four conditions {alone, loaded} x {before, after}:
 
-1. the bootstrap's seconds per step (engines/pretrain.py `supervised_finetune` on configs/tiny.yaml's
-   tiny policy, the step tasks/prepare.py's bootstrap runs) at 1 and 2 torch threads: median of
+1. the bootstrap's seconds per step (engines/training/pretrain.py `supervised_finetune` on configs/tiny.yaml's
+   tiny policy, the step tasks/stages/prepare.py's bootstrap runs) at 1 and 2 torch threads: median of
    `--steps` steps after 2 warm-up steps. "before" runs it with no OpenMP variable set (libgomp's
    default: a thread spins ~300k rounds before it sleeps); "after" sets the policy first.
 2. the default run (`pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml`), shortened
@@ -45,14 +45,14 @@ BUSY = "import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < 
 STEP = """
 import json, random, statistics, sys, time
 if sys.argv[1] == "after":
-    from engines.threads import set_wait_policy
+    from engines.models.threads import set_wait_policy
     set_wait_policy()
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 from configs.schema import load_config
-from engines.modeling import build_tiny_policy
-from engines.pretrain import supervised_finetune
-from engines.synthetic import make_problems, teacher_demonstration
+from engines.models.modeling import build_tiny_policy
+from engines.training.pretrain import supervised_finetune
+from engines.data.synthetic import make_problems, teacher_demonstration
 b = load_config("configs/tiny.yaml").model.bootstrap  # the default run's bootstrap
 model, tok = build_tiny_policy(b.hidden_size, b.num_layers, b.num_heads, max_positions=b.max_positions, seed=0)
 rng = random.Random(0)

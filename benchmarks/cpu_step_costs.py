@@ -7,13 +7,13 @@ SmolLM2-135M's shapes (vocabulary 49152, 64 rollout rows, 32 x 32 response token
 A/B each rep, median of `--reps` after one warm-up:
 - `sample`: one decode step's draw from softmax(logits [64, V]): `torch.multinomial` (what
   transformers' `generate` does; an exponential per vocabulary entry) vs `InverseCDFSampler`
-  (engines/generation.py: one uniform per row, a cumulative sum and a binary search);
+  (engines/generation/engine.py: one uniform per row, a cumulative sum and a binary search);
 - `logp+entropy`: per-token log-probs and entropies of a [32, 32, V] micro-batch, forward +
   backward: log_softmax + gather + -(p log p).sum vs `token_logprobs_and_entropy`
-  (engines/batching.py);
+  (engines/models/batching.py);
 - `adamw`: one AdamW step over 134.5M float32 parameters: torch's default (foreach) vs `fused=True`.
 The whole table runs twice, in two child processes: with glibc's malloc defaults and with
-`keep_freed_memory()` (engines/host_memory.py), the setting flyroll's engine actors use. Asserts
+`keep_freed_memory()` (engines/models/host_memory.py), the setting flyroll's engine actors use. Asserts
 nothing; prints seconds per call and the ratio.
 """
 
@@ -30,9 +30,9 @@ import time
 def measure(threads: int, reps: int, keep: bool) -> dict:
     import torch
 
-    from engines.batching import token_logprobs_and_entropy
-    from engines.generation import InverseCDFSampler
-    from engines.host_memory import keep_freed_memory
+    from engines.models.batching import token_logprobs_and_entropy
+    from engines.generation.engine import InverseCDFSampler
+    from engines.models.host_memory import keep_freed_memory
 
     torch.set_num_threads(threads)
     if keep:

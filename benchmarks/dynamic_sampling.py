@@ -5,7 +5,7 @@ side by side.
     python benchmarks/dynamic_sampling.py                                  # SmolLM2 reasoning preset
     python benchmarks/dynamic_sampling.py --config configs/dapo.yaml --chunk 16 --iterations 2
 
-Both sides run the real rollout task (tasks/rollout.py `rollout`, the scheduler over the Ray
+Both sides run the real rollout task (tasks/stages/rollout.py `rollout`, the scheduler over the Ray
 generation actors and reward workers) in this process on one local Ray instance, on `--config`
 with `algorithm.filter_groups: true` and `max_generation_rounds: --rounds`, from the config's
 starting policy, for iterations 1..`--iterations` (each iteration its own prompts; the policy is

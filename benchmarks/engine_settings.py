@@ -1,7 +1,7 @@
 """The default preset's settings as plain values, for the engine-level benchmarks
 (benchmarks/gpu_rl_check.py, benchmarks/gpu_mfu.py) that run where pydantic and configs/ are not
 installed (a lent GPU box). The one place to switch after the algorithm config moves to
-engines/algorithms/config.py; tests/test_gpu_check.py checks every value against configs/tiny.yaml
+engines/algorithms/config.py; tests/benchmarks/test_gpu_check.py checks every value against configs/tiny.yaml
 as the config schema loads it."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SMOKE_PRESET = {**PRESET, "bootstrap": {**PRESET["bootstrap"], "steps": 40, "bat
 
 
 def algorithm(**overrides) -> types.SimpleNamespace:
-    """What the training engine and engines/rl_step.py read as `cfg` (attribute access only)."""
+    """What the training engine and engines/training/rl_step.py read as `cfg` (attribute access only)."""
     unknown = set(overrides) - set(ALGORITHM)
     if unknown:
         raise ValueError(f"unknown algorithm settings {sorted(unknown)}")

@@ -17,8 +17,8 @@ import os
 
 import ray
 
-from engines.env_workers import EnvSpec
-from engines.envs import make_env
+from engines.agentic.env_workers import EnvSpec
+from engines.agentic.envs import make_env
 from infra.env_pool import RayEnvPool
 
 

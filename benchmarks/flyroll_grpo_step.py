@@ -19,13 +19,13 @@ itself and has no sync at all). vLLM runs its model in its own process: files on
 
 Protocol (stdout carries only these lines; everything else the process prints goes to stderr):
   -> READY {json}      after loading and one warm-up step. Freed memory is kept for reuse within and
-                       between steps, as in flyroll's engine actors (engines/host_memory.py); with
+                       between steps, as in flyroll's engine actors (engines/models/host_memory.py); with
                        release_memory it is returned to the OS after each step instead (outside the
                        timed step), so the idle worker holds only its model and optimizer
   <- STEP <i>          run timed step i (sampling seed 2001+i)
   -> RESULT {json}     s, gen_s, score_s, train_s, sync_s, samples, tokens, trained_rows (rows the
                        update ran: those with zero advantage carry no gradient and are skipped,
-                       engines/training.py), rss_gb, peak_rss_gb (resident memory between steps and
+                       engines/training/update.py), rss_gb, peak_rss_gb (resident memory between steps and
                        the peak so far)
   <- EXIT              close the engine and exit
 """
@@ -50,22 +50,22 @@ def build(spec: dict):
     import torch
 
     from engines.algorithms.config import AlgorithmConfig
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.host_memory import keep_freed_memory
-    from engines.modeling import encode_prompts, load_policy, save_policy
-    from engines.rl_step import prepare_update
-    from engines.rollout_batch import RolloutBatch
-    from engines.training import TorchTrainEngine
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.models.host_memory import keep_freed_memory
+    from engines.models.modeling import encode_prompts, load_policy, save_policy
+    from engines.training.rl_step import prepare_update
+    from engines.data.rollout_table import batch_from_table
+    from engines.training.update import TorchTrainEngine
 
     torch.set_num_threads(spec["threads"])
-    keep_freed_memory()  # as flyroll's engine actors do (tasks/actor_process.py)
+    keep_freed_memory()  # as flyroll's engine actors do (tasks/actors/process.py)
     model_dir, problems = spec["model_dir"], spec["problems"]
     policy, tok = load_policy(model_dir)
     if spec["engine"] == "hf":
         rollout_model, _ = load_policy(model_dir)
         engine = HFGenerationEngine(rollout_model, tok, micro_batch=len(problems))
     else:
-        from engines.vllm_engine import VLLMGenerationEngine
+        from engines.generation.vllm_engine import VLLMGenerationEngine
 
         engine = VLLMGenerationEngine(model_dir, max_model_len=None, kv_cache_gb=spec["kv_cache_gb"], seed=0,
                                       cpu_bind="0" if spec["threads"] == 1 else f"0-{spec['threads'] - 1}")
@@ -90,7 +90,7 @@ def build(spec: dict):
             "group_id": [c.prompt_index for c in out],
             "finish_reason": [c.finish_reason for c in out],
         })
-        batch = RolloutBatch.from_table(df, tok.pad_token_id)
+        batch = batch_from_table(df, tok.pad_token_id)
         upd = prepare_update(batch, cfg)
         assert cfg.old_logprobs_in_update(len(df), len(df))
         t2 = time.perf_counter()

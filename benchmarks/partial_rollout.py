@@ -10,8 +10,8 @@ iteration pays max_new_tokens decode steps for the whole batch. With max_split N
 most ceil(max_new_tokens / N) steps; samples still running when B groups are complete are carried
 into the next iteration and continued there.
 
-Every side runs the real rollout task (tasks/rollout.py `rollout`: the Ray generation actors, and
-for N > 1 tasks/partial_rollout.py with its carry published in the run's store) in this process on
+Every side runs the real rollout task (tasks/stages/rollout.py `rollout`: the Ray generation actors, and
+for N > 1 tasks/loop/partial_rollout.py with its carry published in the run's store) in this process on
 one local Ray instance, on `--config` with `rollout.max_new_tokens` = `--max-new` and
 `algorithm.tis_cap` 2.0 (partial rollout requires it) and `algorithm.filter_groups` off (partial
 rollout refuses dynamic sampling; the SmolLM2 preset has it on), from the config's starting policy, for

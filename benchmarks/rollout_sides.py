@@ -1,6 +1,6 @@
 """The set-up shared by the rollout benchmarks (dynamic_sampling.py, partial_rollout.py): several
 "sides", each the same config with a few fields changed, run through the real rollout task
-(tasks/rollout.py `rollout`) for the same iterations in one process on one local Ray instance, the
+(tasks/stages/rollout.py `rollout`) for the same iterations in one process on one local Ray instance, the
 sides alternating within each iteration, each iteration's metrics read back from the side's MLflow run.
 
     work = isolated_workdir("flyroll-partial-bench-")          # HOME, caches, store and MLflow in a temp folder
@@ -52,10 +52,10 @@ def run_sides(raw: dict, sides: dict[str, dict[str, dict]], *, work: str, prefix
     after each. Returns side -> its rows in iteration order. Ray is shut down at the end."""
     import yaml
 
-    import tasks.rollout
+    import tasks.stages.rollout
     from infra import tracking
     from infra.ray_session import shutdown
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tasks.stages.prepare import build_base_policy, make_dataset, prepare_run
 
     runs = {}
     for name, changes in sides.items():
@@ -69,7 +69,7 @@ def run_sides(raw: dict, sides: dict[str, dict[str, dict]], *, work: str, prefix
     try:
         for it in range(1, iterations + 1):
             for name, (spec, policy, dataset) in runs.items():
-                tasks.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=it)
+                tasks.stages.rollout.rollout(spec=spec, policy=policy, dataset=dataset, iteration=it)
                 client = tracking.client(spec.tracking_uri)
                 row = {field: client.get_metric_history(spec.mlflow_run_id, key)[-1].value for field, key in metrics(name).items()}
                 rows[name].append(row)

@@ -41,11 +41,11 @@ def main() -> None:
     import torch
 
     from engines.algorithms.config import AlgorithmConfig
-    from engines.batching import batched_logprobs, collate, response_logprobs
-    from engines.generation import HFGenerationEngine, SamplingParams
-    from engines.modeling import build_tiny_policy, import_gguf, load_policy, packaged_gguf
-    from engines.strategies import TorchStrategy
-    from engines.training import TorchTrainEngine
+    from engines.models.batching import batched_logprobs, collate, response_logprobs
+    from engines.generation.engine import HFGenerationEngine, SamplingParams
+    from engines.models.modeling import build_tiny_policy, import_gguf, load_policy, packaged_gguf
+    from engines.training.strategies import TorchStrategy
+    from engines.training.update import TorchTrainEngine
 
     class EveryRow(TorchStrategy):
         shared_prefix = False

@@ -2,7 +2,7 @@
 
   (a) store   today's hand-off: save float32 safetensors, publish to a local ArtifactStore (sha256 +
               copy), fetch (copy + sha256 check), `load_weights` into the engine
-  (b) live    the model update group (engines/weight_update.py), gloo broadcast over loopback TCP
+  (b) live    the model update group (engines/weight_sync/update_group.py), gloo broadcast over loopback TCP
   (c) shm     the same group, same-node path: one bucket buffer in /dev/shm, gloo only for signals
 
 for the tiny preset model, SmolLM2-135M's shape and random-init Qwen2.5-0.5B / -1.5B shapes, in one
@@ -28,13 +28,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from engines.generation import HFGenerationEngine
-from engines.modeling import build_tiny_policy
-from engines.weight_update import ModelUpdateGroup
+from engines.generation.engine import HFGenerationEngine
+from engines.models.modeling import build_tiny_policy
+from engines.weight_sync.update_group import ModelUpdateGroup
 from infra.store import ArtifactStore
 
 SHAPES = {
-    "tiny": None,  # engines.modeling.build_tiny_policy() defaults (configs/tiny.yaml's bootstrap)
+    "tiny": None,  # engines.models.modeling.build_tiny_policy() defaults (configs/tiny.yaml's bootstrap)
     "smollm2-135m": LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048),
     "qwen2.5-0.5b": Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

@@ -12,7 +12,7 @@ from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
 
 def check_config(cfg) -> None:
     """Refuse (ValueError, naming the fields) settings that are each valid but do not work together."""
-    from engines.synthetic import DOMAINS
+    from engines.data.synthetic import DOMAINS
 
     check_hand_off(cfg)
     split = cfg.rollout.partial_rollout_max_split
@@ -62,7 +62,7 @@ def check_config(cfg) -> None:
 
         if importlib.util.find_spec("deepspeed") is None:
             raise ValueError(f"training.strategy={cfg.training.strategy!r} needs DeepSpeed, which is not installed: pip install 'flyroll[deepspeed]'")
-        from engines.strategies import check_zero_optimization
+        from engines.training.strategies import check_zero_optimization
 
         check_zero_optimization(cfg.training.zero_optimization)
     elif cfg.training.zero_optimization:
@@ -73,7 +73,7 @@ def check_config(cfg) -> None:
     if bad:
         raise ValueError(f"data.domains: unknown domain(s) {bad}; expected a subset of {list(DOMAINS)}")
     if cfg.env is not None:
-        from engines.envs import ENVIRONMENTS, make_env
+        from engines.agentic.envs import ENVIRONMENTS, make_env
 
         if cfg.env.name not in ENVIRONMENTS:
             raise ValueError(f"env.name: unknown environment {cfg.env.name!r}; expected one of {sorted(ENVIRONMENTS)}")
@@ -108,7 +108,7 @@ def check_config(cfg) -> None:
 
 def check_agentic(cfg) -> None:
     """Refuse the RLVR-only options an agentic run (env set) would otherwise ignore: its rollout
-    (tasks/agentic.py) plays B seeds x G episodes once, with no rollout scheduler to drop and refill
+    (tasks/stages/agentic.py) plays B seeds x G episodes once, with no rollout scheduler to drop and refill
     groups, no data split and no reward workers (the reward is the environment's return)."""
     a = cfg.algorithm
     refused = [(name, why) for name, on, why in (
@@ -121,7 +121,7 @@ def check_agentic(cfg) -> None:
         ("loop.eval_samples", cfg.loop.eval_samples > 0, ("agentic evaluation samples with env.eval_temperature "
          "and env.eval_samples_per_seed")),
         ("placement.offload_generation", cfg.placement.offload_generation != "none", ("the agentic rollout "
-         "(tasks/agentic.py) keeps its generation engines awake")),
+         "(tasks/stages/agentic.py) keeps its generation engines awake")),
     ) if on]
     for model, why in ((cfg.data, "episodes start from env seeds, not a data split"),
                        (cfg.reward, "no reward workers start: the reward is the environment's return")):
@@ -142,7 +142,7 @@ def check_agentic(cfg) -> None:
 def check_data_size(cfg) -> None:
     """What the data section says about the train split before it is built: the domains it holds
     (against domain_weights) and its rows (against one batch). Sources whose domains or sizes only
-    the data tells (a file) are checked when the dataset is built (tasks/prepare.py make_dataset)."""
+    the data tells (a file) are checked when the dataset is built (tasks/stages/prepare.py make_dataset)."""
     d, batch = cfg.data, cfg.rollout.prompts_per_iteration
     held = data_domains(d)
     absent = sorted(set(d.domain_weights) - held) if held is not None else []
@@ -157,7 +157,7 @@ def check_data_size(cfg) -> None:
                          f"would merge into one (same group_id); expected at least {batch} train prompts")
 
 
-_SOURCE_DOMAIN = {"reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}  # engines/sources.py defaults
+_SOURCE_DOMAIN = {"reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}  # engines/data/sources.py defaults
 
 
 def data_domains(d) -> set[str] | None:

@@ -50,7 +50,7 @@ def offload_check(cfg) -> None:
 
 
 def hybrid_check(cfg) -> None:
-    """placement.hybrid (tasks/hybrid.py): refused where its processes cannot host the roles as asked."""
+    """placement.hybrid (tasks/actors/hybrid.py): refused where its processes cannot host the roles as asked."""
     if cfg.rollout.engine != "hf":
         raise ValueError(f"placement.hybrid=true with rollout.engine={cfg.rollout.engine}: a hybrid worker hosts the hf "
                          "engine (vLLM inside the trainer's process is not built); set rollout.engine: hf, or hybrid: false")

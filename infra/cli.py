@@ -21,14 +21,14 @@ import importlib
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
-from engines.threads import set_wait_policy
+from engines.models.threads import set_wait_policy
 
-set_wait_policy()  # before any subcommand loads torch (engines/threads.py): bench, eval and their children
+set_wait_policy()  # before any subcommand loads torch (engines/models/threads.py): bench, eval and their children
 
 # subcommand -> ("module:function" taking (argv: list[str]) -> int, one line of help)
 CORE = {
     "eval": ("infra.eval_cli:main", "evaluate a policy on an eval table, accuracy per domain as JSON"),
-    "sandbox": ("engines.sandbox:cli_main", "run a program in the code sandbox, print the verdict as JSON"),
+    "sandbox": ("engines.sandbox.runner:cli_main", "run a program in the code sandbox, print the verdict as JSON"),
     "stack": ("infra.stack:cli_main", "start/stop/show the local S3 + MLflow service stack"),
     "lineage": ("infra.lineage:cli_main", "print a model version's lineage back to the base model"),
 }

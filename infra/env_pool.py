@@ -1,9 +1,9 @@
 """The environment worker pool on Ray: ``workers`` actors, each an ``EnvHost`` holding many environments.
 
-It is the ``EnvWorkerPool`` the asynchronous manager (engines/async_env_manager.py) drives, with the
+It is the ``EnvWorkerPool`` the asynchronous manager (engines/agentic/async_env_manager.py) drives, with the
 environments out of the generation actors and on CPUs of their own (``env.workers``,
 ``env.worker_cpus``, ``env.worker_memory``, ``env.worker_concurrency``; docs/agentic.md). Same contract as
-engines/env_workers.py ``ProcessEnvPool``:
+engines/agentic/env_workers.py ``ProcessEnvPool``:
 
 - an environment lives on the actor its first ``reset`` went to (the one holding fewest);
 - each actor runs up to ``concurrency`` calls at once (a threaded actor), so one slow or hung step
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from engines.env_workers import EnvHost, EnvWorkerLost, ResetResult, StepResult
-from engines.envs import TextEnv
+from engines.agentic.env_workers import EnvHost, EnvWorkerLost, ResetResult, StepResult
+from engines.agentic.envs.base import TextEnv
 
 
 class EnvWorkerActor:
@@ -61,7 +61,7 @@ class _Worker:
 
 class RayEnvPool:
     """``workers`` Ray actors of ``cpus`` CPUs each, running ``concurrency`` calls at once, holding the
-    environments ``factory`` makes (picklable: engines/env_workers.py ``EnvSpec``). Needs a connected
+    environments ``factory`` makes (picklable: engines/agentic/env_workers.py ``EnvSpec``). Needs a connected
     Ray (``ray.init`` or a Flyte Ray task)."""
 
     def __init__(self, factory: Callable[[], TextEnv], workers: int = 2, cpus: float = 1.0, concurrency: int = 16,

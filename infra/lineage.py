@@ -74,7 +74,7 @@ def lineage(target: str, store_uri: str, tracking_uri: str, model: str = DEFAULT
             dm = store.manifest(d)
             data.append({"key": d, "rows": dm.metadata.get("rows"), "domains": dm.metadata.get("domains"),
                          "files": {n: f.sha256[:16] for n, f in dm.files.items()},
-                         # the fingerprints of the files the dataset was built from (engines/fingerprint.py)
+                         # the fingerprints of the files the dataset was built from (engines/data/fingerprint.py)
                          "inputs": {u: f.get("digest") for u, f in (dm.metadata.get("inputs") or {}).items()}})
         except StoreError as e:
             data.append({"key": d, "error": str(e)})
@@ -117,7 +117,7 @@ def cli_main(argv: list[str]) -> int:
         tag = f"  (MLflow model version {mv['model_version']} of {mv['registered_model']}, run {mv['run_id'][:8]})" if mv else ""
         it = v["metadata"].get("iteration")
         print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{f', iteration {it}' if it is not None else ''}]{tag}")
-        for s in v["metadata"].get("unpublished_iterations") or []:  # checkpoint.publish_every (tasks/publish_plan.py)
+        for s in v["metadata"].get("unpublished_iterations") or []:  # checkpoint.publish_every (tasks/loop/publish_plan.py)
             print(f"      after iteration {s['iteration']} (not published; trained on {s['rollout_table']})")
     for d in rec["datasets"]:
         inputs = "".join(f", from {u} ({digest})" for u, digest in (d.get("inputs") or {}).items())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from engines.threads import child_env
+from engines.models.threads import child_env
 
 MODES = ("shared", "per-task")  # FLYROLL_RAY: one local Ray instance for the run, or a cluster per task
 
@@ -67,7 +67,7 @@ def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict,
     """`count` actors of `actor_cls` for `role`; reused across tasks of a local run (named, per run).
     Each actor process starts with the passive OpenMP wait policy and its torch thread count
     (`init_kwargs["threads"]`, when it takes one) in its environment, set before it loads torch
-    (engines/threads.py `child_env`)."""
+    (engines/models/threads.py `child_env`)."""
 
     ensure_ray()
     runtime_env = dict(options.get("runtime_env") or {})

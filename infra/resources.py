@@ -12,7 +12,7 @@ device and dtype its models use (`resolve_device`: 'auto' = cuda when its worker
 Flyte resources, its Ray cluster (one pod per worker) and the actors' reservations (colocated roles
 reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
 defaults they return exactly the profile values above. `hosted_roles` / `task_actors` declare which
-actors each stage task creates (what its Ray cluster must have room for; tests/test_placement.py).
+actors each stage task creates (what its Ray cluster must have room for; tests/infra/test_placement.py).
 The agentic rollout and evaluation tasks with `env.workers > 0` also start the env worker pool
 (infra/env_pool.py): their cluster gets one more CPU-only pod of ceil(env.workers x env.worker_cpus)
 CPUs (`env_pool_cpus`) and env.workers x env.worker_memory + 1Gi (`env_pool_memory_gi`) for it.
@@ -36,7 +36,7 @@ from flytekit.extras.accelerators import A100, BaseAccelerator
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from configs.schema import ConfigError, load_config
-from engines.devices import resolve_device
+from engines.models.devices import resolve_device
 from infra.images import image_spec
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
@@ -131,7 +131,7 @@ def stage_ray_job(cfg, name: str) -> RayJobConfig:
     return _profile_ray_job(name)
 
 
-ENV_POOL_TASKS = ("rollout", "evaluation")  # tasks/agentic.py starts RayEnvPool in rollout_episodes and evaluate_episodes
+ENV_POOL_TASKS = ("rollout", "evaluation")  # tasks/stages/agentic.py starts RayEnvPool in rollout_episodes and evaluate_episodes
 
 
 def env_pool_cpus(cfg, task: str) -> int:
@@ -183,7 +183,7 @@ FUSED_STAGES = ("training", "rollout", "reference", "scoring")  # evaluation use
 
 
 def fused_ray_job(cfg) -> RayJobConfig:
-    """The Ray cluster of `loop.fuse` (tasks/fused.py): the four stage clusters in one -- training's
+    """The Ray cluster of `loop.fuse` (tasks/stages/fused.py): the four stage clusters in one -- training's
     head pod as head, every other node of the four as worker groups -- so each actor the fused
     iterations create has the room its own stage's cluster gives it."""
     jobs = [stage_ray_job(cfg, s) for s in FUSED_STAGES]
@@ -233,7 +233,7 @@ def hosted_roles(cfg, task: str) -> tuple[str, ...]:
     """The placement roles whose actors stage task `task` creates on its own Ray cluster (the critic
     rides inside the training actors). Under dynamic sampling (`algorithm.filter_groups`) and with
     `rollout.score_while_generating` the rollout task also hosts the reward workers: it scores its
-    samples (and refills the batch with its own generation actors, tasks/rollout.py), so no
+    samples (and refills the batch with its own generation actors, tasks/stages/rollout.py), so no
     generation actor is ever created in a cluster declared without room for one (the scoring task's
     has no GPU on the gpu profile)."""
     roles = {task_: (role,) for role, (task_, _) in HOSTS.items() if role != "critic"}
@@ -308,7 +308,7 @@ def placement_plan(cfg) -> dict[str, RolePlan]:
 
 def check_placement(cfg) -> None:
     """Refuse (ConfigError) a placement that asks for `device: cuda` in a role whose worker requests
-    no GPU. Called where a run's config is loaded, before any cluster starts (tasks/prepare.py
+    no GPU. Called where a run's config is loaded, before any cluster starts (tasks/stages/prepare.py
     `prepare_run`, the eval and bench CLIs, `pyflyte package` with FLYROLL_CONFIG): the check needs
     the profile's GPU requests, which are compute, not config (so configs/schema.py cannot make it)."""
     check_sync_transport(cfg)
@@ -333,7 +333,7 @@ def check_sync_transport(cfg) -> None:
     """Refuse (ConfigError) `sync.transport: cuda_ipc` unless actor_train and actor_infer both resolve to
     cuda: the trainer fills a CUDA buffer and the generation engines map it by its IPC handle, so both
     processes need a GPU. (That every member sits on one node is checked where the actors are known,
-    tasks/live_sync.py.)"""
+    tasks/loop/live_sync.py.)"""
     if cfg.sync.method != "live" or cfg.sync.transport != "cuda_ipc":
         return
     plan = placement_plan(cfg)
@@ -347,7 +347,7 @@ def check_sync_transport(cfg) -> None:
 
 
 def role_devices(cfg, *roles: str) -> dict[str, tuple[str, str]]:
-    """role -> its resolved (device, dtype), what the engine actors of tasks/workers.py and tasks/train_worker.py take."""
+    """role -> its resolved (device, dtype), what the engine actors of tasks/actors/ and tasks/actors/train.py take."""
     plan = placement_plan(cfg)
     return {r: (plan[r].device, plan[r].dtype) for r in roles}
 
@@ -401,7 +401,7 @@ def _with_guest_workers(cfg, task: str, job: RayJobConfig) -> RayJobConfig:
     task, and in the rollout task under dynamic sampling), a worker group of one pod per worker
     sized as that role's own stage sizes its pods (the scoring task's) -- when `placement` sets
     either pool's resources. With both at the profile's, the profile's pods hold them beside the
-    engines (1 reward CPU next to 4 of 8 engine CPUs on gpu; tests/test_placement.py checks every preset)."""
+    engines (1 reward CPU next to 4 of 8 engine CPUs on gpu; tests/infra/test_placement.py checks every preset)."""
     plan = placement_plan(cfg)
     groups = list(job.worker_node_config)
     own_custom = _pool_footprint(plan, _POOLS[task])[3]

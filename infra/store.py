@@ -45,7 +45,7 @@ from typing import Any, Callable, TypeVar
 import fsspec
 
 from infra import leases
-from infra.manifest import MANIFEST_FORMAT, MANIFEST_NAME, FileEntry, Manifest, sha256_file  # noqa: F401 (MANIFEST_FORMAT: re-exported)
+from infra.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -558,7 +558,7 @@ class ArtifactStore:
     def delete(self, key: str) -> None:
         """Remove version `key`: its manifest first (the version is gone for every reader at once),
         then the files it lists. For the one artifact a rerun replaces, a partial rollout's carry
-        (tasks/partial_rollout.py); checkpoints and rollout tables are never deleted."""
+        (tasks/loop/partial_rollout.py); checkpoints and rollout tables are never deleted."""
         m = self.manifest(key)
         self._retry(f"delete {self.uri(key)}/{MANIFEST_NAME}", self.fs.rm_file, self._path(key, MANIFEST_NAME))
         for rel in m.files:

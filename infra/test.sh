@@ -75,5 +75,5 @@ wait_vllm() {
 }
 phase "wait for .venv-vllm" wait_vllm
 # two workers: the vLLM workflow runs (RLVR, then agentic; their own xdist group) beside the engine tests
-phase "pytest: vLLM tests (.venv-vllm, 2 workers)" bash infra/vllm_venv.sh tests/test_vllm_engine.py -m "slow or not slow" -q \
+phase "pytest: vLLM tests (.venv-vllm, 2 workers)" bash infra/vllm_venv.sh tests/engines/generation/test_vllm_engine.py -m "slow or not slow" -q \
     -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 "$@"

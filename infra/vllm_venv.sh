@@ -3,7 +3,7 @@
 # main .venv has a newer one) and pulls torchvision/torchaudio/torchcodec, whose builds break `import vllm`.
 #
 #   bash infra/vllm_venv.sh                                   # create .venv-vllm (once; ~3 min)
-#   bash infra/vllm_venv.sh tests/test_vllm_engine.py -q      # ...then run pytest in it with these args
+#   bash infra/vllm_venv.sh tests/engines/generation/test_vllm_engine.py -q      # ...then run pytest in it with these args
 #   .venv-vllm/bin/pyflyte run workflows/rlvr.py rlvr --config configs/tiny.yaml   # with rollout.engine: vllm
 #
 # It is flyroll with the `vllm` and `agentic` extras (flytekit, Ray and MLflow included, so the workflows run end to

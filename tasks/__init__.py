@@ -1,6 +1,6 @@
 """Flyte tasks. Importing the package sets the passive OpenMP wait policy first, before anything loads
-torch (engines/threads.py): a task pod on a Flyte cluster imports its task's module, not workflows/."""
+torch (engines/models/threads.py): a task pod on a Flyte cluster imports its task's module, not workflows/."""
 
-from engines.threads import set_wait_policy
+from engines.models.threads import set_wait_policy
 
 set_wait_policy()

@@ -31,7 +31,7 @@ def tiny_policy():
     Shared by many tests: do not train it in place (deep-copy it first)."""
     import torch
 
-    from engines.modeling import build_tiny_policy
+    from engines.models.modeling import build_tiny_policy
 
     torch.set_num_threads(1)
     model, tok = build_tiny_policy(**TINY, seed=0)
@@ -41,7 +41,7 @@ def tiny_policy():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_policy, tmp_path_factory) -> str:
     """`tiny_policy` saved as a Hugging Face model directory (safetensors + tokenizer + config)."""
-    from engines.modeling import save_policy
+    from engines.models.modeling import save_policy
 
     model, tok = tiny_policy
     return save_policy(model, tok, str(tmp_path_factory.mktemp("tiny_policy")))
@@ -51,14 +51,14 @@ def tiny_model_dir(tiny_policy, tmp_path_factory) -> str:
 def tiny_base_dir(tmp_path_factory):
     """One folder (HOME, runs/: store and MLflow) for the slow runs of presets on configs/tiny.yaml's
     model: the first one bootstraps the tiny base (1500 pre-training steps, minutes), the others reuse it
-    from the store. tests/test_presets.py and tests/test_learning.py's default preset (one xdist group)."""
+    from the store. tests/e2e/test_presets.py and tests/e2e/test_learning.py's default preset (one xdist group)."""
     return tmp_path_factory.mktemp("tiny-base")
 
 
 @pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory):
     """(folder, config path, completed process): one `pyflyte run` of tests/configs/e2e.yaml (shared
-    local Ray), read by tests/test_workflow.py and tests/test_lineage.py (one xdist group, so one run).
+    local Ray), read by tests/e2e/test_workflow.py and tests/e2e/test_lineage.py (one xdist group, so one run).
     Read it, do not change it: the only rerun (test_rerun_resumes_and_redoes_nothing) adds nothing."""
     from tests.support.workflow import _config, _pyflyte_run
 
@@ -77,7 +77,7 @@ def e2e_run(tmp_path_factory):
 SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_eval_routing"}   # + tests marked xdist_group("smollm2")
 # modules that share a session fixture with another module's group: `e2e_run`, `tiny_base_dir`
 SAME_GROUP = {"test_lineage": "test_workflow", "test_hybrid": "test_workflow", "test_learning": "test_presets"}
-LONGEST_FIRST = ["vllm_workflow", "test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_resume", "test_s3_e2e",
+LONGEST_FIRST = ["vllm_workflow", "test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_resume", "test_s3",
                  "test_strategies", "test_agentic_workflow", "test_schedules", "test_decks"]
 
 

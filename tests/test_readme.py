@@ -33,12 +33,12 @@ def test_ci_runs_the_readme_test_command():
 def test_iteration_snippet_matches_the_workflow():
     section = README[README.index("## How an iteration reads"):]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    workflow = (REPO / "tasks/recipe.py").read_text()   # one_iteration: the body of workflows/rlvr.py's rl_iteration
+    workflow = (REPO / "tasks/loop/recipe.py").read_text()   # one_iteration: the body of workflows/rlvr.py's rl_iteration
     squash = lambda s: re.sub(r"\s+", " ", s.split("#")[0]).strip()  # noqa: E731
     lines = {squash(line) for line in workflow.splitlines()}
     for line in snippet.splitlines():
         if line.strip():
-            assert squash(line) in lines, f"README line not in tasks/recipe.py: {line!r}"
+            assert squash(line) in lines, f"README line not in tasks/loop/recipe.py: {line!r}"
 
 
 def test_every_doc_is_listed_in_the_layout():

@@ -1,5 +1,5 @@
 """Flyte workflows. Importing the package sets the passive OpenMP wait policy first, before anything
-loads torch (engines/threads.py): `pyflyte run workflows/rlvr.py` imports this file before rlvr.py.
+loads torch (engines/models/threads.py): `pyflyte run workflows/rlvr.py` imports this file before rlvr.py.
 
 It also refuses `--set` given more than once on the command line: pyflyte turns the workflows' `set`
 input (a list) into one option that takes a JSON list, and click keeps only the last of a repeated
@@ -7,7 +7,7 @@ option, so `--set '["a=1"]' --set '["b=2"]'` would drop a=1 without a word."""
 
 import sys
 
-from engines.threads import set_wait_policy
+from engines.models.threads import set_wait_policy
 
 set_wait_policy()
 

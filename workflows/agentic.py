@@ -6,7 +6,7 @@
 
 One iteration: episodes in the environment (rollout), environment returns as rewards (scoring),
 reference forward, training (loss only on the policy's own tokens), weight sync -- the recipe of
-RLVR (tasks/recipe.py `one_iteration`, `run_iterations`) with the same reference/training/weight-sync
+RLVR (tasks/loop/recipe.py `one_iteration`, `run_iterations`) with the same reference/training/weight-sync
 tasks and lineage. Evaluation plays fixed held-out seeds
 greedily: success rate, effective- and invalid-action rates, turns, return.
 
@@ -30,16 +30,16 @@ import pandas as pd
 from flytekit import dynamic, task, workflow
 
 from infra.resources import task_resources
-from tasks.agentic import evaluate_episodes, rollout_episodes, score_episodes
-from tasks.common import config_of, execution_id, store_of
-from tasks.evaluation import finalize
-from tasks.prepare import bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
-from tasks.prompts import EVAL_SEED0
-from tasks.recipe import Stages, one_iteration, run_iterations
-from tasks.reference import reference_forward
-from tasks.training import train
-from tasks.types import DatasetRef, PolicyRef, RunSpec
-from tasks.weight_sync import publish_weights
+from tasks.stages.agentic import evaluate_episodes, rollout_episodes, score_episodes
+from tasks.run.common import config_of, execution_id, store_of
+from tasks.stages.evaluation import finalize
+from tasks.stages.prepare import bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
+from tasks.run.seeds import EVAL_ENV_SEED0
+from tasks.loop.recipe import Stages, one_iteration, run_iterations
+from tasks.stages.reference import reference_forward
+from tasks.stages.training import train
+from tasks.run.types import DatasetRef, PolicyRef, RunSpec
+from tasks.stages.weight_sync import publish_weights
 
 warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
 
@@ -70,7 +70,7 @@ def env_dataset(spec: RunSpec) -> DatasetRef:
     key = f"datasets/env-{e.name}-{version}/eval"
     store = store_of(spec)
     if not store.exists(key):
-        df = pd.DataFrame({"seed": [EVAL_SEED0 + i for i in range(e.eval_episodes)], "env": e.name, "kwargs": json.dumps(e.kwargs)})
+        df = pd.DataFrame({"seed": [EVAL_ENV_SEED0 + i for i in range(e.eval_episodes)], "env": e.name, "kwargs": json.dumps(e.kwargs)})
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "eval.parquet")
             df.to_parquet(path, index=False)
@@ -93,7 +93,7 @@ def agentic_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: 
                  eval_every: int) -> LoopOut:
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`; each
     iteration's episodes are played by the policy pipeline.off_policy_steps updates older than the one
-    it trains (tasks/recipe.py `generator_policy`; 0 = on-policy)."""
+    it trains (tasks/loop/recipe.py `generator_policy`; 0 = on-policy)."""
     accuracy = evaluate_episodes(spec=spec, policy=start) if start.version == 0 else -1.0
     end = min(last, start.version + CHUNK)
     policy, accuracy, samples = run_iterations(

@@ -6,11 +6,11 @@
     pyflyte run workflows/rlvr.py rlvr --set '["rollout.temperature=0.7", "training.lr=1e-5"]'   # overrides (one JSON list)
 
 One iteration (`rl_iteration`) is five tasks -- rollout, scoring, reference forward, training,
-weight sync -- each with its own resources and Ray cluster, in the order tasks/recipe.py
+weight sync -- each with its own resources and Ray cluster, in the order tasks/loop/recipe.py
 `one_iteration` writes once for every loop (this one, workflows/agentic.py and the fused task). `rl_loop` (a bounded @dynamic) chains
 iterations from a start version, evaluating at the start, every `loop.eval_every` iterations and at
 the end; runs longer than CHUNK iterations continue in a nested `rl_loop`. With `loop.fuse: N` it
-runs N iterations at a time in one task on one Ray cluster instead (tasks/fused.py). A rerun of the same
+runs N iterations at a time in one task on one Ray cluster instead (tasks/stages/fused.py). A rerun of the same
 config resumes from the last published policy version of that run.
 """
 
@@ -23,17 +23,17 @@ import pandas as pd
 from flytekit import dynamic, workflow
 
 from infra.resources import task_resources
-from tasks.common import config_of, logged
-from tasks.evaluation import evaluate, finalize
-from tasks.fused import fused_iterations
-from tasks.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
-from tasks.recipe import Stages, evaluates, one_iteration, run_iterations
-from tasks.reference import reference_forward
-from tasks.rollout import rollout
-from tasks.scoring import score
-from tasks.training import train
-from tasks.types import DatasetRef, PolicyRef, RunSpec
-from tasks.weight_sync import publish_weights
+from tasks.run.common import config_of, logged
+from tasks.stages.evaluation import evaluate, finalize
+from tasks.stages.fused import fused_iterations
+from tasks.stages.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
+from tasks.loop.recipe import Stages, evaluates, one_iteration, run_iterations
+from tasks.stages.reference import reference_forward
+from tasks.stages.rollout import rollout
+from tasks.stages.scoring import score
+from tasks.stages.training import train
+from tasks.run.types import DatasetRef, PolicyRef, RunSpec
+from tasks.stages.weight_sync import publish_weights
 
 # flytekit registers a bool input as both `--restart` and `--restart/--no_restart`; click then warns
 warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")

@@ -38,10 +38,10 @@ from configs.schema import load_config
 
 from infra import tracking
 from infra.resources import task_resources
-from tasks.common import config_of, console, store_of
-from tasks.evaluation import finalize
-from tasks.prepare import build_base_policy, loop_bounds, make_dataset, prepare_run
-from tasks.types import DatasetRef, PolicyRef, RunSpec
+from tasks.run.common import config_of, console, store_of
+from tasks.stages.evaluation import finalize
+from tasks.stages.prepare import build_base_policy, loop_bounds, make_dataset, prepare_run
+from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 from workflows.rlvr import rl_loop
 
 ROOT = Path(__file__).resolve().parents[1]   # the code's root: relative presets are read from here, as in the task image

@@ -266,7 +266,7 @@ class AlgorithmConfig(BaseModel):
     max_generation_rounds: int = Field(
         4, ge=1, le=100,
         description="Dynamic sampling: the prompt budget per iteration, in batches (DAPO's "
-        "max_num_gen_batches): the rollout scheduler (engines/scheduler.py) samples at most "
+        "max_num_gen_batches): the rollout scheduler (engines/generation/scheduler.py) samples at most "
         "prompts_per_iteration * max_generation_rounds prompts, the rollout's own batch included; "
         "when it is spent the batch trains on the groups it has. filter_groups only.",
     )

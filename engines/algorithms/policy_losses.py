@@ -198,5 +198,5 @@ def gspo(
 
 
 # Losses whose per-token term is -A·f(ratio, ...): a row whose advantages are all zero has exactly zero
-# gradient, so the update may skip it (engines/training.py, AlgorithmConfig.skip_zero_advantage).
+# gradient, so the update may skip it (engines/training/update.py, AlgorithmConfig.skip_zero_advantage).
 ZERO_AT_ZERO_ADVANTAGE = (ppo_clip, cispo, gspo)

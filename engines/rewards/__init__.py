@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engines.synthetic import exact_match_reward
+from engines.rewards.exact_match import exact_match_reward
 
 RewardFn = Callable[[str, dict], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -45,7 +45,7 @@ _LAZY = {
     "code": "engines.rewards.code:code_reward",
     "format": "engines.rewards.fmt:format_reward",
     "ifeval": "engines.rewards.ifeval:ifeval_reward",
-    "reasoning_gym": "engines.sources:reasoning_gym_reward",
+    "reasoning_gym": "engines.rewards.reasoning_gym:reasoning_gym_reward",
 }
 
 
@@ -76,7 +76,7 @@ class RewardResult:
 def score_isolated(fn: RewardFn, response: str, sample: dict, timeout_s: float, pool: cf.ThreadPoolExecutor) -> tuple[RewardResult, bool]:
     """(result, hung): run `fn` in `pool` with a timeout; never raises, except `SandboxUnavailable`
     (model code must not run here at all: the whole scoring fails with the reason and the fix)."""
-    from engines.sandbox import SandboxUnavailable
+    from engines.sandbox.isolation import SandboxUnavailable
 
     t0 = time.perf_counter()
     fut = pool.submit(fn, response, sample)

@@ -2,14 +2,14 @@
 
 `code_reward(response, sample)`: the program is the last ```python fenced block of the response
 (else the whole text); `sample["tests"]` runs after it in the same namespace (see
-`engines.sandbox.split_tests` for the accepted forms). 1.0 when every test passed; with
+`engines.sandbox.runner.split_tests` for the accepted forms). 1.0 when every test passed; with
 `sample["metadata"]["partial_credit"]`, the fraction of tests passed; 0.0 for a program that the
 sandbox refused (verdict "forbidden"), whatever it passed.
 
 metadata keys read: partial_credit (bool), entry_point (HumanEval: appends `check(entry_point)`
 when the tests define `check` but never call it), timeout_s (default 5), memory_mb (default 512).
 The isolation (bubblewrap required unless a weaker mode is allowed by name) and the work dir's
-budget come from the process's sandbox policy (`engines.sandbox.configure`, config
+budget come from the process's sandbox policy (`engines.sandbox.runner.configure`, config
 `reward.sandbox`); the score carries the mode that ran it (`CodeScore.isolation`).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from engines.sandbox import run_program
+from engines.sandbox.runner import run_program
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 

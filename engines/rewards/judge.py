@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from engines.generation import GenerationEngine, SamplingParams
+from engines.generation.engine import GenerationEngine, SamplingParams
 
 DEFAULT_RUBRIC = (
     "You are a strict grader. Rate the response to the question on a scale of 0 to 10 for "
@@ -91,7 +91,7 @@ class JudgeReward:
 
     def _token_ids(self, text: str) -> list[int]:
         if self.use_chat_template:
-            from engines.modeling import encode_prompts
+            from engines.models.modeling import encode_prompts
 
             (ids,) = encode_prompts(self.tokenizer, [text], apply_chat_template=True)
         else:

@@ -30,7 +30,7 @@ BatchScorer = Callable[[list[str], list[dict]], list[tuple[float, str | None]]]
 def _placement(options: dict):
     """(torch device, torch dtype) of the reward role from `options` ("device"/"dtype" strings the
     scoring task adds, infra.resources.role_devices); cpu / float32 without them."""
-    from engines.devices import torch_device, torch_dtype
+    from engines.models.devices import torch_device, torch_dtype
 
     return torch_device(options.get("device", "cpu"), "reward"), torch_dtype(options.get("dtype", "float32"))
 
@@ -38,9 +38,9 @@ def _placement(options: dict):
 def build_judge(options: dict) -> BatchScorer:
     """The judge of `reward.judge` options: its causal LM in an `hf` generation engine, cast to the
     reward role's dtype on its device."""
-    from engines.devices import place_model
-    from engines.generation import HFGenerationEngine
-    from engines.modeling import load_policy
+    from engines.models.devices import place_model
+    from engines.generation.engine import HFGenerationEngine
+    from engines.models.modeling import load_policy
     from engines.rewards.judge import DEFAULT_RUBRIC, JudgeReward
     from engines.rewards.reward_model import local_model_dir
 

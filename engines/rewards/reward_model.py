@@ -9,7 +9,7 @@ logit of label `label_index` (num_labels=1 models: the only one), optionally squ
 `normalize="sigmoid"` -> sigmoid(logit) in (0, 1); `"affine"` -> (logit - shift) / scale.
 
 `build_tiny_reward_model(path)` writes a tiny random Qwen2ForSequenceClassification with the
-character tokenizer of `engines.modeling`, for tests and the embedded default.
+character tokenizer of `engines.models.modeling`, for tests and the embedded default.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _load_tokenizer(path: str):
         with open(cfg) as f:
             tok_class = json.load(f).get("tokenizer_class")
     if tok_class in ("TokenizersBackend", "PreTrainedTokenizerFast") and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return PreTrainedTokenizerFast.from_pretrained(path)   # as saved (see engines.modeling.load_policy)
+        return PreTrainedTokenizerFast.from_pretrained(path)   # as saved (see engines.models.modeling.load_policy)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -119,7 +119,7 @@ def build_tiny_reward_model(path: str, *, hidden_size: int = 32, num_layers: int
     """Write a random tiny Qwen2ForSequenceClassification (num_labels=1) + char tokenizer to `path`."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from engines.modeling import build_char_tokenizer
+    from engines.models.modeling import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(

@@ -1,8 +1,8 @@
 """Which reward scores a sample, and scoring a batch of samples with it.
 
-This is the one scoring path: training's reward workers (tasks/workers.py `RewardWorker.score`)
+This is the one scoring path: training's reward workers (tasks/actors/reward.py `RewardWorker.score`)
 and evaluation (the workflow's eval task through those same workers, `flyroll eval` and
-engines/evaluation.py in-process) all call `score_samples`, so a row earns the same reward in
+engines/rewards/evaluation.py in-process) all call `score_samples`, so a row earns the same reward in
 training and in eval.
 
 Routing (`reward_name`), first match wins:
@@ -66,7 +66,7 @@ def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | 
     sandbox's policy (config `reward.sandbox`, as a dict), set for this process before anything is scored.
     Each result is a `Scored` (reward, error) that also says which sandbox mode scored it."""
     if (models or {}).get("sandbox") is not None:
-        from engines.sandbox import configure
+        from engines.sandbox.runner import configure
 
         configure(**models["sandbox"])
     out: list = [None] * len(items)

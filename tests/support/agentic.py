@@ -1,5 +1,5 @@
-"""workflows/agentic.py through the real `pyflyte run` in a temp folder (tests/test_agentic_workflow.py,
-tests/test_agentic_presets.py): the run and its MLflow metric histories."""
+"""workflows/agentic.py through the real `pyflyte run` in a temp folder (tests/e2e/test_agentic_workflow.py,
+tests/e2e/test_agentic_presets.py): the run and its MLflow metric histories."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The asynchronous manager's test helpers (tests/test_async_env_manager.py, tests/test_env_pool_ray.py):
+"""The asynchronous manager's test helpers (tests/engines/agentic/test_async_env_manager.py, tests/infra/test_env_pool.py):
 a prompt-hash engine deterministic under any batching, the lock-step reference and an async run."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import dataclasses
 import time
 import zlib
 
-from engines.async_env_manager import run_groups
-from engines.env_manager import run_episodes
-from engines.env_workers import EnvSpec, ThreadEnvPool
-from engines.generation import Completion, SamplingParams
-from engines.generation_router import BatchingRouter
-from engines.modeling import build_char_tokenizer
+from engines.agentic.async_env_manager import run_groups
+from engines.agentic.env_manager import run_episodes
+from engines.agentic.env_workers import EnvSpec, ThreadEnvPool
+from engines.generation.engine import Completion, SamplingParams
+from engines.generation.router import BatchingRouter
+from engines.models.modeling import build_char_tokenizer
 
 SAMPLING = SamplingParams(max_new_tokens=8, stop=("\n",))
 CHOICES = ["left\n", "down\n", "right\n", "up\n", "jump\n", "down", "right"]

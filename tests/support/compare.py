@@ -1,5 +1,5 @@
-"""Bitwise comparison of checkpoints and trainer states (tests/test_optimizer_every.py,
-tests/test_publish_every.py)."""
+"""Bitwise comparison of checkpoints and trainer states (tests/tasks/run/test_replay.py,
+tests/tasks/loop/test_publish_plan.py)."""
 
 from __future__ import annotations
 

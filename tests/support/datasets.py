@@ -1,5 +1,5 @@
 """Building a run's dataset through the real pre-cluster entry points (`prepare_run`, `make_dataset`)
-from a prompts file written by the test (tests/test_prepare.py, tests/test_data_identity.py)."""
+from a prompts file written by the test (tests/tasks/stages/test_prepare.py, tests/e2e/test_data_identity.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _prompts_file(tmp_path, rows) -> str:
 
 
 def _dataset(tmp_path, tiny_model_dir, monkeypatch, data, rollout=None):
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tasks.stages.prepare import build_base_policy, make_dataset, prepare_run
 
     monkeypatch.setenv("FLYROLL_CACHE_DIR", str(tmp_path / "cache"))
     spec, model_spec = prepare_run(config=_config(tmp_path, data, rollout, path=tiny_model_dir), restart=False)

@@ -1,5 +1,5 @@
-"""The tiny policy's inputs and parameters (tests/test_generation.py, tests/test_modeling.py, tests/test_batching.py,
-tests/test_training.py, tests/test_lora.py, tests/test_devices.py): prompts, their token ids,
+"""The tiny policy's inputs and parameters (tests/engines/generation/test_engine.py, tests/engines/models/test_modeling.py, tests/engines/models/test_batching.py,
+tests/engines/training/test_update.py, tests/engines/training/test_lora.py, tests/engines/models/test_devices.py): prompts, their token ids,
 a copy of the parameters, a rollout-like batch for the training step."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import torch
 
-from engines.batching import batched_logprobs, collate
-from engines.modeling import SPECIAL_TOKENS
-from engines.synthetic import make_problems
+from engines.models.batching import batched_logprobs, collate
+from engines.models.modeling import SPECIAL_TOKENS
+from engines.data.synthetic import make_problems
 
 PROMPTS = ["1+2=", "rev abc=", "9-3+4-1="]
 

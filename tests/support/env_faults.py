@@ -1,4 +1,4 @@
-"""A FrozenLake whose step misbehaves on chosen seeds, importable by Ray workers (tests/test_env_pool_ray.py)."""
+"""A FrozenLake whose step misbehaves on chosen seeds, importable by Ray workers (tests/infra/test_env_pool.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import os
 import time
 from typing import ClassVar
 
-from engines.envs import make_env
+from engines.agentic.envs import make_env
 
 
 class FaultyLake:
     """``behaviour[seed]``: ``raise`` raises in step, ``hang`` blocks in step (``_hang``: 60 s), ``slow``
     sleeps 1 s per step, ``kill_once`` SIGKILLs its own process (the env worker) on its first step
     anywhere (``marker`` file remembers), ``kill`` on every step. ``behaviour`` and ``marker`` are
-    arguments (what a Ray worker gets) or, unset, class attributes a test sets (tests/test_async_env_manager.py)."""
+    arguments (what a Ray worker gets) or, unset, class attributes a test sets (tests/engines/agentic/test_async_env_manager.py)."""
     name, invalid_penalty = "faulty", -0.1
     behaviour: ClassVar[dict[int, str]] = {}
     marker: ClassVar[str] = ""

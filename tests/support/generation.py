@@ -1,5 +1,5 @@
 """A GenerationWorker Ray actor's abort, checked the same way on the HF engine
-(tests/test_generation_abort.py) and on vLLM (tests/test_vllm_engine.py)."""
+(tests/tasks/actors/test_generation_abort.py) and on vLLM (tests/engines/generation/test_vllm_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def abort_then_serve(worker, ids: list[list[int]], long) -> list:
     """On a loaded GenerationWorker actor: start generate r1 (`long` on `ids`) and queue r2 behind it,
     abort r2 (not started: remembered) and then r1 (reached while it runs), check r2 returns [] and the
     actor then serves r3 and a call without request id as before. Returns r1's (aborted) completions."""
-    from engines.generation import SamplingParams
+    from engines.generation.engine import SamplingParams
 
     running = worker.generate.remote(ids, long, "r1")
     queued = worker.generate.remote(ids[:2], long, "r2")     # behind r1 in the actor's call order

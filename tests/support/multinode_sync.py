@@ -1,9 +1,9 @@
-"""A live weight sync across two Ray nodes, run in a process of its own (tests/test_live_sync_multinode.py).
+"""A live weight sync across two Ray nodes, run in a process of its own (tests/tasks/loop/test_live_sync_multinode.py).
 
 `python -m tests.support.multinode_sync <tiny model dir> <work dir>` starts a local two-node Ray
 cluster (`ray.cluster_utils.Cluster`: the head with the custom resource `node_train`, one worker
 node with `node_infer`, 1 CPU each), puts the training actor on the head and the generation actor on
-the worker node, runs `tasks.live_sync.live_sync` over gloo between them, and prints one JSON line
+the worker node, runs `tasks.loop.live_sync.live_sync` over gloo between them, and prints one JSON line
 with what the test checks: each actor's node id, the address the group's store used, the sync's
 report, the engine's key and version, whether its weights equal the trainer's bit for bit, and what
 a second sync with `sync.transport: shm` (one node only) says.
@@ -40,9 +40,10 @@ def main(model_dir: str, work: str) -> dict:
     from infra.resources import role_devices
     from infra.store import ArtifactStore
     from tests.support.policies import publish_two_versions
-    from tasks.live_sync import LiveSyncError, live_sync
-    from tasks.types import RunSpec
-    from tasks.workers import GenerationWorker, TrainWorker, generation_worker_kwargs
+    from tasks.loop.live_sync import LiveSyncError, live_sync
+    from tasks.run.types import RunSpec
+    from tasks.actors.generation import GenerationWorker, generation_worker_kwargs
+    from tasks.actors.train import TrainWorker
 
     root, run = os.path.join(work, "store"), "multinode"
     publish_two_versions(ArtifactStore(root), model_dir, work, run)
@@ -54,7 +55,7 @@ def main(model_dir: str, work: str) -> dict:
     cluster = _start_cluster(temp_dir)
     times = {"cluster_start_s": time.perf_counter() - t0}
     try:
-        # the same names, kwargs and pools as tasks/pools.py and tasks/training.py, pinned to a node each;
+        # the same names, kwargs and pools as tasks/actors/pools.py and tasks/stages/training.py, pinned to a node each;
         # live_sync() then finds these generation actors by name (get_if_exists)
         (gen,) = actor_pool(GenerationWorker, "generation", 1, run, generation_worker_kwargs(cfg),
                             {"num_cpus": 0, "resources": {"node_infer": 1}})
@@ -81,7 +82,7 @@ def main(model_dir: str, work: str) -> dict:
         sent = ray.get(trainer.__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.model.state_dict().items()}))
         key, version, held = ray.get(gen.__ray_call__.remote(
             lambda w: (w.key, w.engine.version, {k: v.clone() for k, v in w.engine.model.state_dict().items()})))
-        # the address the engine dialled for the group's store: the trainer's node (tasks/train_worker.py free_port)
+        # the address the engine dialled for the group's store: the trainer's node (tasks/actors/train.py free_port)
         store_addr = ray.get(gen.__ray_call__.remote(lambda w: (w.update_group._tcp.host, w.update_group._tcp.port)))
         nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes() if n["Alive"]}
         return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),

@@ -10,7 +10,7 @@ import torch
 
 def publish_two_versions(store, model_dir: str, work: str, run: str) -> str:
     """Publish runs/<run>/policy/v0000 and v0001 into `store`; returns v0001's local folder."""
-    from engines.modeling import load_policy, save_policy
+    from engines.models.modeling import load_policy, save_policy
 
     store.publish(model_dir, f"runs/{run}/policy/v0000", kind="checkpoint", producer="test")
     model, tok = load_policy(model_dir)

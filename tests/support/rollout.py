@@ -1,5 +1,5 @@
-"""The real rollout task's inputs for a DAPO-style run on the tiny model (tests/test_refill.py,
-tests/test_partial_rollout.py)."""
+"""The real rollout task's inputs for a DAPO-style run on the tiny model (tests/tasks/loop/test_refill.py,
+tests/tasks/loop/test_partial_rollout.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def _parity_rollout_run(tmp_path, monkeypatch, tiny_model_dir, name: str, rollou
     `rollout` / `algorithm` settings; the run folder and cache under tmp_path."""
     import yaml
 
-    from tasks.prepare import build_base_policy, make_dataset, prepare_run
+    from tasks.stages.prepare import build_base_policy, make_dataset, prepare_run
     from tests.support.workflow import REPO
 
     raw = yaml.safe_load((REPO / "tests/configs/e2e.yaml").read_text())

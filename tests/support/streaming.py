@@ -1,5 +1,5 @@
-"""A scripted continuous-batching engine (engines/generation_router.py `StreamingEngine`) for the
-request-stream tests (tests/test_request_stream.py): request k's response is `length` tokens, where
+"""A scripted continuous-batching engine (engines/generation/router.py `StreamingEngine`) for the
+request-stream tests (tests/engines/generation/test_request_stream.py): request k's response is `length` tokens, where
 `length` is the prompt's first token id; each step adds one token to every running request, so a
 short request added late finishes before a long one added early. A prompt whose first token is 0
 fails the step it is in (an engine error); `version` is the policy it serves."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from engines.generation_router import RequestDelta
-from engines.request_stream import RequestStream
+from engines.generation.router import RequestDelta
+from engines.generation.request_stream import RequestStream
 
 
 class ScriptedStreamingEngine:

@@ -1,4 +1,4 @@
-"""What the weight-sync tests share (tests/test_weight_update.py, tests/test_hybrid.py): the tiny
+"""What the weight-sync tests share (tests/engines/weight_sync/test_update_group.py, tests/tasks/actors/test_hybrid.py): the tiny
 model's shape, how long a test waits for a spawned rank or engine, a free port, and digests of
 weights (bitwise comparison across processes)."""
 
@@ -29,7 +29,7 @@ def digests(model_or_state, dtype=torch.float32) -> dict[str, str]:
 def moved_tiny_digests() -> dict[str, str]:
     """Digests of the tiny policy (seed 0) with every weight times -0.5: what the sharded-trainer tests'
     ranks make of their shards, unsharded."""
-    from engines.modeling import build_tiny_policy
+    from engines.models.modeling import build_tiny_policy
 
     model, _ = build_tiny_policy(**TINY, seed=0)
     with torch.no_grad():

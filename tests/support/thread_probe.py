@@ -1,4 +1,4 @@
-"""A Ray actor that reports the thread set-up it started with (tests/test_threads.py)."""
+"""A Ray actor that reports the thread set-up it started with (tests/engines/models/test_threads.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class ThreadProbe:
         self.at_start = {k: os.environ.get(k) for k in WATCHED}  # before this process imports torch
         import torch
 
-        from tasks.actor_process import engine_process
+        from tasks.actors.process import engine_process
 
         engine_process(threads)
         self.torch_threads = torch.get_num_threads()

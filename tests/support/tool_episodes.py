@@ -1,13 +1,13 @@
 """Tool-call test helpers: Qwen2.5's chat template (its tool parts verbatim), templates that list or
 ignore tools, a scripted engine that ends its text at stop strings as the HF engine does, and the
-calls it plays (tests/test_tool_calls.py, tests/test_tool_episodes.py, tests/test_env_pool_ray.py)."""
+calls it plays (tests/engines/agentic/test_tool_calls.py, tests/engines/agentic/test_tool_episodes.py, tests/infra/test_env_pool.py)."""
 
 from __future__ import annotations
 
 import string
 
-from engines.generation import Completion, SamplingParams
-from engines.modeling import build_char_tokenizer
+from engines.generation.engine import Completion, SamplingParams
+from engines.models.modeling import build_char_tokenizer
 
 # Qwen2.5-Instruct's chat template, its tool parts verbatim (system turn with <tools>, assistant
 # tool_calls as <tool_call> JSON, tool messages as <tool_response> blocks in a user turn).

@@ -1,6 +1,6 @@
-"""A scored rollout table, the columns the training path reads (tests/test_strategies.py,
-tests/test_lora.py, tests/test_devices.py), and whether a rank holds only part of a sharded parameter
-(tests/test_weight_update.py, tests/test_live_sync_sharded.py)."""
+"""A scored rollout table, the columns the training path reads (tests/engines/training/test_strategies.py,
+tests/engines/training/test_lora.py, tests/engines/models/test_devices.py), and whether a rank holds only part of a sharded parameter
+(tests/engines/weight_sync/test_update_group.py, tests/tasks/loop/test_live_sync_sharded.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def _scored_table(model, tok, groups: int = 5, per_group: int = 3):
     old log-probs = the policy's own, ref = old minus noise."""
     import pandas as pd
 
-    from tests.strategy_ranks import synthetic_batch
+    from tests.support.strategy_ranks import synthetic_batch
 
     n = groups * per_group
     batch, _, old, ref = synthetic_batch(tok, model, rows=n, seed=1)

@@ -1,4 +1,4 @@
-"""The workflow through the real `pyflyte` CLI in a temp folder (tests/test_workflow.py and the other
+"""The workflow through the real `pyflyte` CLI in a temp folder (tests/e2e/test_workflow.py and the other
 end-to-end tests): its environment, tests/configs/e2e.yaml with overrides, the run, its MLflow run.
 The one e2e run of the session is the `e2e_run` fixture (tests/conftest.py)."""
 

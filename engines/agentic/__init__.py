@@ -1,0 +1,1 @@
+"""Multi-turn agentic RL: the lock-step and asynchronous environment managers, environment workers, tool calls and the environments (envs/)."""

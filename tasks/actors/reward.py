@@ -1,0 +1,37 @@
+"""The reward actor: `RewardWorker` scores samples, each reward call isolated, inside a stage's Ray cluster."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import ray
+
+# The engines are imported inside the actor's methods: a driver importing this module (to create the
+# actor) loads none of them.
+
+
+@ray.remote
+class RewardWorker:
+    """Scores samples with the reward routed to them (engines/rewards/routing.py: reward.functions,
+    metadata.reward_fn, the domain), each call isolated (timeout, exceptions). Domains routed to a
+    model reward (`judge`, `reward_model`) are scored in batches by a model this actor builds once,
+    on first use, and keeps (engines/rewards/models.py)."""
+
+    def __init__(self, threads: int = 4):
+        from engines.rewards.models import ModelRewards
+
+        self.pool = cf.ThreadPoolExecutor(max_workers=threads)
+        self.model_rewards = ModelRewards(self.pool)
+
+    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, routes: dict[str, str] | None = None,
+              models: dict[str, dict] | None = None) -> tuple[list[tuple[float, str | None]], bool]:
+        """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck.
+        routes: domain -> reward function name (config `reward.functions`); models: model reward
+        name -> its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
+        from engines.rewards.routing import score_samples
+
+        return score_samples(items, timeout_s, routes, models, self.pool, self.model_rewards)
+
+    def model_stats(self) -> dict[str, dict[str, int]]:
+        """Per model reward: builds (model loads), calls (batched calls) and samples scored so far."""
+        return self.model_rewards.stats
