@@ -71,11 +71,8 @@ def phase_learn(ctx: Ctx) -> dict:
     from engines.models.modeling import build_tiny_policy
     from engines.training.pretrain import supervised_finetune
     from engines.training.rl_step import AlgorithmState
-    from engines.data.synthetic import (
-        exact_match_reward,
-        make_problems,
-        teacher_demonstration,
-    )
+    from engines.data.synthetic import make_problems, teacher_demonstration
+    from engines.rewards.exact_match import exact_match_reward
     from engines.training.update import TorchTrainEngine
 
     P, dev = ctx.preset, ctx.device

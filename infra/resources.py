@@ -40,6 +40,16 @@ from engines.models.devices import resolve_device
 from infra.images import image_spec
 
 ROLES = ("rollout", "scoring", "reference", "training", "weight_sync", "evaluation", "bootstrap")
+# The tasks without a Ray cluster that are no weight sync, each with a role of its own so that each is sized
+# (and shows in the Flyte UI) as what it is. Today each asks for what weight_sync asks for: one CPU and little
+# memory (none of them loads a model but reference_policy, which imports model.reference_path once).
+BOOKKEEPING_ROLES = (
+    "setup",        # tasks/stages/prepare.py prepare_run, resume_point, reference_policy: the run's config, lock and start
+    "dataset",      # make_dataset, env_dataset: a dataset version's splits, written to the store
+    "controller",   # the @dynamic loops (workflows/) and loop_bounds: they only schedule other tasks
+    "report",       # tasks/stages/evaluation.py finalize: the final report and MLflow close
+    "promotion",    # workflows/schedules.py current_champion, promote: the champion alias
+)
 
 
 @dataclass
@@ -68,6 +78,7 @@ _CPU = {
     "weight_sync": RoleSpec(Resources(cpu="1", mem="2Gi"), Resources(cpu="1", mem="4Gi"), None, 0, 0, 0),
     "evaluation": RoleSpec(Resources(cpu="2", mem="4Gi"), Resources(cpu="2", mem="8Gi"), None, 0, 1, 0),
     "bootstrap": RoleSpec(Resources(cpu="2", mem="4Gi"), Resources(cpu="2", mem="8Gi"), None, 0, 1, 0),
+    **{name: RoleSpec(Resources(cpu="1", mem="2Gi"), Resources(cpu="1", mem="4Gi"), None, 0, 0, 0) for name in BOOKKEEPING_ROLES},
 }
 _GPU = {
     "rollout": RoleSpec(Resources(cpu="8", mem="64Gi", gpu="1"), Resources(cpu="8", mem="64Gi", gpu="1"), A100, 1, 4, 1),
@@ -77,6 +88,7 @@ _GPU = {
     "weight_sync": RoleSpec(Resources(cpu="2", mem="8Gi"), Resources(cpu="2", mem="16Gi"), None, 0, 0, 0),
     "evaluation": RoleSpec(Resources(cpu="8", mem="64Gi", gpu="1"), Resources(cpu="8", mem="64Gi", gpu="1"), A100, 1, 4, 1),
     "bootstrap": RoleSpec(Resources(cpu="8", mem="32Gi", gpu="1"), Resources(cpu="8", mem="32Gi", gpu="1"), A100, 0, 4, 1),
+    **{name: RoleSpec(Resources(cpu="2", mem="8Gi"), Resources(cpu="2", mem="16Gi"), None, 0, 0, 0) for name in BOOKKEEPING_ROLES},
 }
 PROFILES = {"cpu": _CPU, "gpu": _GPU}
 

@@ -67,3 +67,138 @@ def test_no_test_file_imports_another_test_file():
         own = path.stem if path.name.startswith("test_") else None
         bad += [ref for ref in _test_module_references(path) if not ref.endswith(f": {own}")]
     assert not bad, "import shared helpers from tests/support/, not from a test file:\n" + "\n".join(bad)
+
+
+# --- Wings (docs/architecture.md): every module in a wing, one door per name, tests mirror the tree ---
+
+SOURCE_FLOORS = ("engines", "tasks", "infra", "configs", "workflows", "benchmarks")
+WINGED = {"engines": "engines-wings", "tasks": "tasks-wings"}   # floor -> its layers contract
+
+
+def _layer_names(contract: str) -> set[str]:
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / ".importlinter")
+    names = set()
+    for line in ini[f"importlinter:contract:{contract}"]["layers"].split("\n"):
+        names |= {n.strip() for n in line.split("|") if n.strip()}
+    return names
+
+
+def test_every_wing_is_a_layer_and_no_module_sits_outside_a_wing():
+    """engines/ and tasks/ hold wings (sub-packages) only, and each floor's `layers` contract names
+    every wing, so a new wing cannot join without being ordered against the others."""
+    for floor, contract in WINGED.items():
+        loose = sorted(p.name for p in (ROOT / floor).glob("*.py") if p.name != "__init__.py")
+        assert not loose, f"{floor}/ holds modules outside any wing: {loose} (put each in a wing folder)"
+        wings = {p.name for p in (ROOT / floor).iterdir() if (p / "__init__.py").is_file()}
+        assert wings == _layer_names(contract), (floor, sorted(wings ^ _layer_names(contract)))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_names(tree) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """(names a module defines, names it imports from another module: name -> (module, its name))."""
+    import ast
+
+    defined, imported = set(), {}
+    for node in tree.body:
+        body = [node] + (node.body + node.orelse if isinstance(node, (ast.If, ast.Try)) else [])
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                defined |= {x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+            elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+                imported.update({a.asname or a.name: (n.module, a.name) for a in n.names})
+    return defined, imported
+
+
+def test_one_door_per_name():
+    """A name is imported from the module that defines it, never through a module that only imports
+    it (a re-export left behind by a move). Covers the source floors, the tests and their helpers."""
+    import ast
+
+    paths = [p for floor in (*SOURCE_FLOORS, "tests") for p in (ROOT / floor).rglob("*.py")]
+    trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in paths}
+    modules = {_module_name(p): _top_level_names(t) for p, t in trees.items()}
+    bad = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module in modules and not node.level):
+                continue
+            defined, imported = modules[node.module]
+            for alias in node.names:
+                name = alias.name
+                if name in defined or f"{node.module}.{name}" in modules:
+                    continue  # defined there, or a sub-module
+                source = imported.get(name)
+                if source and source[0] in modules:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name} from {node.module} (it lives in {source[0]})")
+    assert not bad, "import each name from the module that defines it:\n" + "\n".join(bad)
+
+
+def test_tests_mirror_the_tree():
+    """tests/<floor>/... mirrors the source tree (tests/engines/<wing>/test_<module>.py and so on);
+    end-to-end runs live in tests/e2e/, helpers in tests/support/, and only the checks of the whole
+    repository (this file, the README's) sit at the top of tests/."""
+    tests = ROOT / "tests"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert top == ["test_architecture.py", "test_readme.py"], top
+    allowed = {*SOURCE_FLOORS, "e2e", "support"}
+    for path in tests.rglob("test_*.py"):
+        rel = path.relative_to(tests).parts
+        if len(rel) == 1:
+            continue
+        assert rel[0] in allowed, f"tests/{'/'.join(rel)}: tests/{rel[0]}/ mirrors no floor"
+        if rel[0] in WINGED and len(rel) > 2:
+            assert (ROOT / rel[0] / rel[1] / "__init__.py").is_file(), f"tests/{'/'.join(rel)}: {rel[0]}/{rel[1]}/ is no wing"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "test file names must stay unique (pytest imports them by basename)"
+
+
+SOURCE_LIMIT = 400
+REASON = "# longer than 400 lines:"
+
+
+def test_source_files_over_400_lines_say_why():
+    """A source file is short enough to read in one sitting; one over 400 lines says why in a line
+    starting with `# longer than 400 lines:` among its first 30 lines."""
+    long = []
+    for floor in SOURCE_FLOORS:
+        for path in (ROOT / floor).rglob("*.py"):
+            lines = path.read_text().splitlines()
+            if len(lines) > SOURCE_LIMIT and not any(line.startswith(REASON) for line in lines[:30]):
+                long.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
+    assert not long, f"split these, or give the reason at the top ({REASON} ...):\n" + "\n".join(long)
+
+
+DATE = r"(\d{4}-\d{2}-\d{2}|\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\.? \d{1,4}\b)"
+
+
+def test_reference_pages_are_short_and_undated():
+    """docs/: a reference page (how it works, how to use it, its tests, current figures) stays under
+    400 lines and has no dated heading; run diaries and dated results go to `*-log.md` pages (the
+    rule verl's docs-date check keeps)."""
+    import re
+
+    bad = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if page.name.endswith("-log.md"):
+            continue
+        lines = page.read_text().splitlines()
+        if len(lines) >= SOURCE_LIMIT:
+            bad.append(f"{page.relative_to(ROOT)}: {len(lines)} lines")
+        bad += [f"{page.relative_to(ROOT)}:{i}: dated heading {line!r}" for i, line in enumerate(lines, 1)
+                if line.startswith("#") and re.search(DATE, line)]
+    assert not bad, "move run diaries and dated results to a *-log.md page:\n" + "\n".join(bad)
+
+
+def test_architecture_doc_lists_every_wing():
+    doc = (ROOT / "docs/architecture.md").read_text()
+    missing = [f"{floor}/{wing}/" for floor, contract in WINGED.items() for wing in sorted(_layer_names(contract))
+               if f"{floor}/{wing}/" not in doc]
+    assert not missing, f"docs/architecture.md does not name: {missing}"

@@ -6,6 +6,7 @@ input (a list) into one option that takes a JSON list, and click keeps only the 
 option, so `--set '["a=1"]' --set '["b=2"]'` would drop a=1 without a word."""
 
 import sys
+import warnings
 
 from engines.models.threads import set_wait_policy
 
@@ -20,3 +21,6 @@ def _refuse_repeated_set(argv: list[str]) -> None:
 
 
 _refuse_repeated_set(sys.argv)
+
+# flytekit registers a bool input as both `--restart` and `--restart/--no_restart`; click then warns (every workflow)
+warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")

@@ -24,7 +24,6 @@ import json
 import os
 import tempfile
 import typing
-import warnings
 
 import pandas as pd
 from flytekit import dynamic, task, workflow
@@ -35,18 +34,11 @@ from tasks.run.common import config_of, execution_id, store_of
 from tasks.stages.evaluation import finalize
 from tasks.stages.prepare import bootstrap_policy, loop_bounds, prepare_run, reference_policy, resume_point
 from tasks.run.seeds import EVAL_ENV_SEED0
-from tasks.loop.recipe import Stages, one_iteration, run_iterations
+from tasks.loop.recipe import CHUNK, IterationOut, LoopOut, Stages, one_iteration, run_iterations
 from tasks.stages.reference import reference_forward
 from tasks.stages.training import train
 from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 from tasks.stages.weight_sync import publish_weights
-
-warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
-
-CHUNK = 25
-
-IterationOut = typing.NamedTuple("IterationOut", [("policy", PolicyRef), ("samples", pd.DataFrame)])
-LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
 
 
 def _episodes(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef, iteration: int):
@@ -61,7 +53,7 @@ AGENTIC = Stages(rollout=_episodes,                    # B seeds x G episodes
                  publish_weights=publish_weights)
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("dataset"))
 def env_dataset(spec: RunSpec) -> DatasetRef:
     """The environment and its fixed held-out seeds as a versioned 'dataset' (lineage of what was evaluated)."""
     cfg = config_of(spec)
@@ -88,7 +80,7 @@ def agentic_iteration(spec: RunSpec, policy: PolicyRef, generator: PolicyRef, re
     return IterationOut(policy=new_policy, samples=scored)
 
 
-@dynamic(**task_resources("weight_sync"))
+@dynamic(**task_resources("controller"))
 def agentic_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int,
                  eval_every: int) -> LoopOut:
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`; each

@@ -17,7 +17,6 @@ config resumes from the last published policy version of that run.
 from __future__ import annotations
 
 import typing
-import warnings
 
 import pandas as pd
 from flytekit import dynamic, workflow
@@ -27,21 +26,13 @@ from tasks.run.common import config_of, logged
 from tasks.stages.evaluation import evaluate, finalize
 from tasks.stages.fused import fused_iterations
 from tasks.stages.prepare import bootstrap_policy, loop_bounds, make_dataset, prepare_run, reference_policy, resume_point
-from tasks.loop.recipe import Stages, evaluates, one_iteration, run_iterations
+from tasks.loop.recipe import CHUNK, IterationOut, LoopOut, Stages, evaluates, one_iteration, run_iterations
 from tasks.stages.reference import reference_forward
 from tasks.stages.rollout import rollout
 from tasks.stages.scoring import score
 from tasks.stages.training import train
 from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 from tasks.stages.weight_sync import publish_weights
-
-# flytekit registers a bool input as both `--restart` and `--restart/--no_restart`; click then warns
-warnings.filterwarnings("ignore", message="The parameter --restart is used more than once")
-
-CHUNK = 25  # iterations per @dynamic node; longer runs recurse, keeping each generated workflow small
-
-IterationOut = typing.NamedTuple("IterationOut", [("policy", PolicyRef), ("samples", pd.DataFrame)])
-LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
 
 RLVR = Stages(rollout=rollout,                      # B prompts x G samples
               score=score,                          # + reward (DAPO: already in rollout)
@@ -59,7 +50,7 @@ def rl_iteration(spec: RunSpec, policy: PolicyRef, generator: PolicyRef, referen
     return IterationOut(policy=new_policy, samples=scored)
 
 
-@dynamic(**task_resources("weight_sync"))
+@dynamic(**task_resources("controller"))
 def rl_loop(spec: RunSpec, origin: PolicyRef, start: PolicyRef, reference: PolicyRef, dataset: DatasetRef, last: int,
             eval_every: int) -> LoopOut:
     """Iterations start.version+1 .. last (CHUNK per node) of the run that began at `origin`."""

@@ -52,7 +52,7 @@ Decision = typing.NamedTuple("Decision", [("trained", PolicyRef), ("champion", P
 RetrainOut = typing.NamedTuple("RetrainOut", [("policy", PolicyRef), ("champion", PolicyRef), ("promoted", bool)])
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("promotion"))
 def current_champion(spec: RunSpec, model_spec: str) -> PolicyRef:
     """The policy the champion alias points at (as version 0 of this run), or the config's base model
     when no version holds the alias. The champion must live in this run's artifact store."""
@@ -83,7 +83,7 @@ def _measured_at_start(spec: RunSpec) -> float | None:
     return at0[0][1] if at0 else None
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("promotion"))
 def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: PolicyRef, dataset: DatasetRef) -> Decision:
     """Move the champion alias to `trained` iff its eval accuracy beats the champion's score; record both scores."""
     model, alias = config_of(spec).run.registered_model, config_of(spec).run.champion_alias

@@ -3,7 +3,7 @@ Hugging Face folder. With a real model, skip this and point model.path at its fo
 Usage: python save_model.py my-model"""
 import sys
 
-from engines.modeling import build_tiny_policy, save_policy
+from engines.models.modeling import build_tiny_policy, save_policy
 
 model, tokenizer = build_tiny_policy(hidden_size=64, num_layers=2, num_heads=2)
 print(save_policy(model, tokenizer, sys.argv[1]))

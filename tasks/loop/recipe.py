@@ -23,6 +23,14 @@ from tasks.run.keys import policy_key
 from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 
 
+CHUNK = 25  # iterations per @dynamic node of a workflow's loop; longer runs recurse, keeping each generated workflow small
+
+# What a workflow's iteration and loop return (the Flyte outputs of `rl_iteration` / `agentic_iteration` and
+# `rl_loop` / `agentic_loop`): the new policy and its scored table; the loop adds its last evaluation's accuracy.
+IterationOut = typing.NamedTuple("IterationOut", [("policy", PolicyRef), ("samples", pd.DataFrame)])
+LoopOut = typing.NamedTuple("LoopOut", [("policy", PolicyRef), ("accuracy", float), ("samples", pd.DataFrame)])
+
+
 class Stages(typing.NamedTuple):
     """The stages of one iteration, each called with keywords as the stage tasks are:
 

@@ -73,7 +73,7 @@ def _history(spec: RunSpec) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-@task(enable_deck=True, **task_resources("weight_sync"))
+@task(enable_deck=True, **task_resources("report"))
 def finalize(spec: RunSpec, policy: PolicyRef, final_accuracy: float, samples: pd.DataFrame) -> PolicyRef:
     """Summary metrics and tags, the report (Flyte Deck + HTML file + MLflow artifact), end of the MLflow
     run, and -- on a local run -- the end of the shared Ray instance."""

@@ -40,7 +40,7 @@ from tasks.run.seeds import BOOTSTRAP_ENV_SEED0
 PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", str)])
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("setup"))
 def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.List[str]] = None) -> PrepareOut:
     """Validate the config with the command line's `overrides` ("key=value" items, `--set`), importing
     every reward function it names (fails here, before any cluster, naming field/value/expectation),
@@ -160,7 +160,7 @@ def _publish_table(store: ArtifactStore, df, key: str, kind: str, metadata: dict
 _MODEL_CONFIGS = ("config.json", "generation_config.json", "tokenizer_config.json")
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("dataset"))
 def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
     config, the fingerprints of the files it reads, and the policy, whose tokenizer and context bound
@@ -376,7 +376,7 @@ def warm_start(spec: dict, store: ArtifactStore, source: str, digest: str) -> Po
     return PolicyRef(key=key, version=0)
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("setup"))
 def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyRef:
     """The reference model of the KL term (`build_reference`), tagged on the MLflow run as
     `flyroll.reference`. Runs before the loop, so a wrong reference fails before any Ray cluster."""
@@ -385,7 +385,7 @@ def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyR
     return ref
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("setup"))
 def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     """Where the loop starts: the last published policy of this run (resume), else the base policy.
     The last version's files are re-hashed against its manifest first (a rerun of a finished run
@@ -414,7 +414,7 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
 LoopBounds = typing.NamedTuple("LoopBounds", [("last", int), ("eval_every", int)])
 
 
-@task(**task_resources("weight_sync"))
+@task(**task_resources("controller"))
 def loop_bounds(spec: RunSpec) -> LoopBounds:
     """The last iteration and the eval cadence, from the config."""
     cfg = config_of(spec)

@@ -80,7 +80,7 @@ def test_task_cluster_has_the_declared_nodes_and_cannot_be_found_by_another_init
 def test_task_cluster_starts_with_or_without_token_auth_and_no_token_yet(tmp_path, auth_mode):
     """RAY_AUTH_MODE=token in the environment (what any earlier ray.init() in a process leaves there)
     with a fresh HOME (no ~/.ray token): the cluster still starts, as ray.init() would."""
-    probe = ("import ray\nfrom tests.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
+    probe = ("import ray\nfrom tests.infra.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
              "with task_cluster(_job(), 'training'):\n    print('cpus', ray.cluster_resources()['CPU'])\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(tmp_path),
            "RAY_gcs_server_port_wait_time_s": "15"}
@@ -132,7 +132,7 @@ def test_a_killed_task_leaves_a_cluster_dir_that_the_next_cluster_removes(monkey
     import time
 
     parent = Path(tempfile.mkdtemp(prefix="frk", dir="/tmp"))   # short: Ray's socket paths are length-limited
-    probe = ("import time\nfrom tests.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
+    probe = ("import time\nfrom tests.infra.test_ray_cluster import _job\nfrom infra.ray_cluster import task_cluster\n"
              "with task_cluster(_job(), 'training'):\n    print('ready', flush=True)\n    time.sleep(300)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(parent)}
     env.pop("RAY_ADDRESS", None)

@@ -15,6 +15,7 @@ hidden from importlib.metadata too. Modules already imported when this starts (a
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import runpy
 import sys
 
@@ -43,6 +44,10 @@ def hide(names) -> None:
 
 
 def main() -> None:
+    # run as a script, this file's folder (tests/support/, which holds engines.py and training.py) is first on
+    # sys.path and would shadow the project's packages of those names: the code run here never sees it
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     names, sep, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     assert sep == "--", "usage: hidden_packages.py NAME,NAME -- script.py ARGS | -m module ARGS | -c CODE ARGS | - ARGS"
     hide(names.split(","))

@@ -205,5 +205,5 @@ def test_sampling_settings_are_read_in_one_place(tmp_path):
     assert _params(cfg, greedy=False, iteration=2) == replace(params, n=1, seed=5 * 100_003 + 2)
     assert _params(cfg, greedy=True) == replace(params, n=1, temperature=0.0, seed=None)
     assert _params(parse_config({}), greedy=True).stop == ("\n",)  # agentic turns end at a newline by default
-    constructions = {p.name: p.read_text().count("SamplingParams(") for p in (REPO / "tasks").glob("*.py")}
+    constructions = {p.name: p.read_text().count("SamplingParams(") for p in (REPO / "tasks").rglob("*.py")}
     assert {k: v for k, v in constructions.items() if v} == {"pools.py": 1}
