@@ -55,9 +55,7 @@ def evaluate_points(points: list[dict], table, cfg, threads: int, pass_k: int) -
         model, tok = load_policy(p["dir"])
         engine = HFGenerationEngine(model, tok, micro_batch=cfg.rollout.micro_batch)
         p["metrics"], _ = evaluate(engine, tok, table, max_new_tokens=cfg.rollout.max_new_tokens,
-                                   apply_chat_template=cfg.model.apply_chat_template, routes=dict(rw.functions),
-                                   models={"judge": rw.judge.model_dump(), "reward_model": rw.reward_model.model_dump()},
-                                   timeout_s=rw.timeout_s, **extra)
+                                   apply_chat_template=cfg.model.apply_chat_template, reward=rw, **extra)
         p["eval_s"] = time.time() - t0
         print(f"  evaluated {p['system']} t={p['t']:.0f} s: accuracy {p['metrics']['accuracy']:.3f} ({p['eval_s']:.0f} s)", flush=True)
         del model, engine

@@ -234,12 +234,6 @@ def load_eval_config(config: str | None, overrides: list[str] | None = None):
     return cfg
 
 
-def reward_options(cfg) -> tuple[dict[str, str], dict[str, dict], float]:
-    """(routes, model reward options, timeout_s) of the config's `reward` section."""
-    reward = cfg.reward
-    return dict(reward.functions), {"judge": reward.judge.model_dump(), "reward_model": reward.reward_model.model_dump()}, reward.timeout_s
-
-
 def stop_strings(given: list[str] | None, cfg) -> tuple[str, ...]:
     """--stop strings (escapes such as \\n decoded), else the config's rollout.stop (none by default)."""
     if given is not None:
@@ -269,15 +263,14 @@ def run_eval(args: argparse.Namespace) -> dict:
     if len(table) == 0:
         raise EvalError(f"--data {args.data!r}: the table has no rows")
     cfg = load_eval_config(args.config, args.overrides)
-    routes, models, timeout_s = reward_options(cfg)
     set_torch_threads()  # as many as this process's cores, affinity and cgroup quota allow
     stop = stop_strings(args.stop, cfg)
     max_new_tokens = args.max_new_tokens or (cfg.rollout.max_new_tokens if args.config or args.overrides else 32)
-    names = {(str(d), reward_name(str(d), {"metadata": m}, routes))
+    names = {(str(d), reward_name(str(d), {"metadata": m}, cfg.reward.functions))
              for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
     for domain, name in sorted(names):
         try:
-            check_reward(name, models)
+            check_reward(name, cfg.reward)
         except KeyError as e:
             via = "" if name == domain else f" (routed to {name!r})"
             raise EvalError(f"--data {args.data!r}: domain {domain!r}{via}: {e.args[0]}") from e
@@ -292,7 +285,7 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
         engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
         metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=max_new_tokens,
-                                  apply_chat_template=args.chat_template, routes=routes, models=models, timeout_s=timeout_s,
+                                  apply_chat_template=args.chat_template, reward=cfg.reward,
                                   stop=stop, samples=args.samples, temperature=args.temperature, seed=args.seed)
     model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"
     return {**metrics, "n": int(len(table)), "model": model_name}

@@ -22,6 +22,7 @@ import pandas as pd
 
 from engines.generation.engine import GenerationEngine, SamplingParams
 from engines.models.modeling import encode_prompts
+from engines.rewards.config import RewardConfig, RewardPlacement
 
 CORRECT_AT = 1.0  # a row is correct when its reward reaches this (training's reward/accuracy)
 
@@ -44,11 +45,10 @@ def generate_responses(engine: GenerationEngine, tokenizer, table: pd.DataFrame,
     return pd.DataFrame(rows)
 
 
-def score_responses(results: pd.DataFrame, *, routes: dict[str, str] | None = None, models: dict[str, dict] | None = None,
-                    timeout_s: float = 5.0) -> pd.DataFrame:
+def score_responses(results: pd.DataFrame, *, reward: RewardConfig | None = None,
+                    placement: RewardPlacement = RewardPlacement()) -> pd.DataFrame:
     """`results` plus `reward` and `reward_error`, scored in this process by training's scoring path
-    (`score_samples`). routes / models / timeout_s: config `reward.functions`, {"judge": reward.judge,
-    "reward_model": reward.reward_model} as dicts, `reward.timeout_s` (5.0 is its default)."""
+    (`score_samples`) with the config's `reward` section (None: its defaults), model rewards on `placement`."""
     from engines.rewards.models import ModelRewards
     from engines.rewards.routing import score_samples
 
@@ -56,7 +56,7 @@ def score_responses(results: pd.DataFrame, *, routes: dict[str, str] | None = No
     items = [(row["domain"], row["response"], {k: row[k] for k in keep}) for _, row in results.iterrows()]
     pool = cf.ThreadPoolExecutor(max_workers=4)
     try:
-        scored, _hung = score_samples(items, timeout_s, routes, models, pool, ModelRewards(pool))
+        scored, _hung = score_samples(items, reward or RewardConfig(), pool, ModelRewards(pool), placement)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung reward call leaves its thread behind
     out = results.copy()
@@ -118,9 +118,7 @@ def evaluate(
     *,
     max_new_tokens: int,
     apply_chat_template: bool = False,
-    routes: dict[str, str] | None = None,
-    models: dict[str, dict] | None = None,
-    timeout_s: float = 5.0,
+    reward: RewardConfig | None = None,
     stop: tuple[str, ...] = (),
     samples: int = 0,
     temperature: float = 1.0,
@@ -132,10 +130,10 @@ def evaluate(
     Returns (metrics, per-row greedy results with response, reward, reward_error, response_length)."""
     results = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
                                  stop=stop)
-    results = score_responses(results, routes=routes, models=models, timeout_s=timeout_s)
+    results = score_responses(results, reward=reward)
     metrics = eval_metrics(results)
     if samples:
         sampled = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
                                      stop=stop, samples=samples, temperature=temperature, seed=seed)
-        metrics.update(sampled_metrics(score_responses(sampled, routes=routes, models=models, timeout_s=timeout_s), samples))
+        metrics.update(sampled_metrics(score_responses(sampled, reward=reward), samples))
     return metrics, results

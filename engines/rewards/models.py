@@ -2,7 +2,7 @@
 
 A reward function scores one sample per call. These two hold a model instead, so a reward worker
 keeps one `ModelRewards`: it builds each model once, lazily, on the first sample routed to it
-(`reward.judge` / `reward.reward_model` options), keeps it, and scores all the samples of a batch
+(`reward.judge` / `reward.reward_model`, engines/rewards/config.py), keeps it, and scores all the samples of a batch
 routed to it in chunks of `batch_size`: one judge generate call or one reward-model forward per
 chunk, each with its own timeout. Failures are isolated the way `score_isolated` isolates them:
 
@@ -18,51 +18,50 @@ chunk, each with its own timeout. Failures are isolated the way `score_isolated`
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 from collections.abc import Callable
 
+from engines.rewards.config import JudgeConfig, RewardModelConfig, RewardPlacement
+
 MODEL_REWARDS = ("judge", "reward_model")
+ModelRewardConfig = JudgeConfig | RewardModelConfig
 
 # (responses, samples) -> [(score, None) or (0.0, error)], one per response
 BatchScorer = Callable[[list[str], list[dict]], list[tuple[float, str | None]]]
 
 
-def _placement(options: dict):
-    """(torch device, torch dtype) of the reward role from `options` ("device"/"dtype" strings the
-    scoring task adds, infra.resources.role_devices); cpu / float32 without them."""
+def _placement(placement: RewardPlacement):
+    """(torch device, torch dtype) of the reward role."""
     from engines.models.devices import torch_device, torch_dtype
 
-    return torch_device(options.get("device", "cpu"), "reward"), torch_dtype(options.get("dtype", "float32"))
+    return torch_device(placement.device, "reward"), torch_dtype(placement.dtype)
 
 
-def build_judge(options: dict) -> BatchScorer:
-    """The judge of `reward.judge` options: its causal LM in an `hf` generation engine, cast to the
-    reward role's dtype on its device."""
+def build_judge(cfg: JudgeConfig, placement: RewardPlacement) -> BatchScorer:
+    """The judge of `reward.judge`: its causal LM in an `hf` generation engine, cast to the reward
+    role's dtype on its device."""
     from engines.models.devices import place_model
     from engines.generation.engine import HFGenerationEngine
     from engines.models.modeling import load_policy
     from engines.rewards.judge import DEFAULT_RUBRIC, JudgeReward
     from engines.rewards.reward_model import local_model_dir
 
-    device, dtype = _placement(options)
-    with local_model_dir(options["model"]) as path:
+    device, dtype = _placement(placement)
+    with local_model_dir(cfg.model) as path:
         model, tokenizer = load_policy(path, dtype=dtype)
-    engine = HFGenerationEngine(place_model(model, device, dtype), tokenizer, micro_batch=options["batch_size"])
-    judge = JudgeReward(engine, tokenizer, options.get("rubric") or DEFAULT_RUBRIC, options["max_new_tokens"],
-                        scale=options["scale"], max_prompt_tokens=options.get("max_prompt_tokens"),
-                        use_chat_template=options.get("apply_chat_template"))
+    engine = HFGenerationEngine(place_model(model, device, dtype), tokenizer, micro_batch=cfg.batch_size)
+    judge = JudgeReward(engine, tokenizer, cfg.rubric or DEFAULT_RUBRIC, cfg.max_new_tokens, scale=cfg.scale,
+                        max_prompt_tokens=cfg.max_prompt_tokens, use_chat_template=cfg.apply_chat_template)
     return judge.score_batch
 
 
-def build_reward_model(options: dict) -> BatchScorer:
-    """The reward model of `reward.reward_model` options, scoring sample["prompt"] + response."""
+def build_reward_model(cfg: RewardModelConfig, placement: RewardPlacement) -> BatchScorer:
+    """The reward model of `reward.reward_model`, scoring sample["prompt"] + response."""
     from engines.rewards.reward_model import RewardModelScorer
 
-    device, dtype = _placement(options)
-    scorer = RewardModelScorer(options["model"], batch_size=options["batch_size"], device=str(device), dtype=dtype,
-                               normalize=options["normalize"],
-                               shift=options["shift"], scale=options["scale"], label_index=options["label_index"],
-                               max_length=options.get("max_length"), use_chat_template=options.get("apply_chat_template"))
+    device, dtype = _placement(placement)
+    scorer = RewardModelScorer(cfg.model, batch_size=cfg.batch_size, device=str(device), dtype=dtype, normalize=cfg.normalize,
+                               shift=cfg.shift, scale=cfg.scale, label_index=cfg.label_index, max_length=cfg.max_length,
+                               use_chat_template=cfg.apply_chat_template)
 
     def score(responses: list[str], samples: list[dict]) -> list[tuple[float, str | None]]:
         return [(v, None) for v in scorer.score_batch([s.get("prompt", "") for s in samples], responses)]
@@ -70,7 +69,7 @@ def build_reward_model(options: dict) -> BatchScorer:
     return score
 
 
-BUILDERS: dict[str, Callable[[dict], BatchScorer]] = {"judge": build_judge, "reward_model": build_reward_model}
+BUILDERS: dict[str, Callable[[ModelRewardConfig, RewardPlacement], BatchScorer]] = {"judge": build_judge, "reward_model": build_reward_model}
 
 
 class ModelRewards:
@@ -78,23 +77,24 @@ class ModelRewards:
 
     def __init__(self, pool: cf.ThreadPoolExecutor):
         self.pool = pool
-        self.scorers: dict[str, tuple[str, BatchScorer]] = {}     # name -> (options as JSON, scorer)
+        self.scorers: dict[str, tuple[tuple, BatchScorer]] = {}   # name -> ((its config, placement), scorer)
         self.stats = {name: {"builds": 0, "calls": 0, "samples": 0} for name in MODEL_REWARDS}
 
-    def _scorer(self, name: str, options: dict | None) -> tuple[BatchScorer | None, str | None, bool]:
+    def _scorer(self, name: str, cfg: ModelRewardConfig | None,
+                placement: RewardPlacement) -> tuple[BatchScorer | None, str | None, bool]:
         """(scorer, None, False), or (None, why not, hung)."""
-        if not options or not options.get("model"):
+        if cfg is None or not cfg.model:
             return None, f"reward.{name}.model is not set, but this sample's domain routes to {name!r}", False
-        key = json.dumps(options, sort_keys=True, default=str)
+        key = (cfg, placement)   # both frozen: another model or setting builds anew
         if name in self.scorers and self.scorers[name][0] == key:
             return self.scorers[name][1], None, False
-        fut = self.pool.submit(BUILDERS[name], options)
+        fut = self.pool.submit(BUILDERS[name], cfg, placement)
         try:
-            scorer = fut.result(timeout=options["load_timeout_s"])
+            scorer = fut.result(timeout=cfg.load_timeout_s)
         except cf.TimeoutError:
-            return None, f"{name} model {options['model']!r} did not load within {options['load_timeout_s']}s", True
+            return None, f"{name} model {cfg.model!r} did not load within {cfg.load_timeout_s}s", True
         except Exception as e:  # noqa: BLE001 -- a bad model costs the samples routed to it
-            return None, f"{name} model {options['model']!r} could not be loaded: {type(e).__name__}: {e}"[:500], False
+            return None, f"{name} model {cfg.model!r} could not be loaded: {type(e).__name__}: {e}"[:500], False
         self.scorers[name] = (key, scorer)
         self.stats[name]["builds"] += 1
         return scorer, None, False
@@ -119,12 +119,14 @@ class ModelRewards:
             out.append((0.0, error or "reward is NaN") if error or score != score else (score, None))
         return out, None, False
 
-    def score(self, name: str, options: dict | None, responses: list[str], samples: list[dict]) -> tuple[list[tuple[float, str | None]], bool]:
-        """([(reward, error)] per sample, hung) for samples routed to model reward `name`."""
-        scorer, error, hung = self._scorer(name, options)
+    def score(self, name: str, cfg: ModelRewardConfig | None, responses: list[str], samples: list[dict],
+              placement: RewardPlacement = RewardPlacement()) -> tuple[list[tuple[float, str | None]], bool]:
+        """([(reward, error)] per sample, hung) for samples routed to model reward `name` (its config section
+        `cfg`: reward.judge or reward.reward_model), its model built on `placement`."""
+        scorer, error, hung = self._scorer(name, cfg, placement)
         if scorer is None:
             return [(0.0, error)] * len(responses), hung
-        size, timeout = options["batch_size"], options["timeout_s"]
+        size, timeout = cfg.batch_size, cfg.timeout_s
         out: list[tuple[float, str | None]] = []
         for start in range(0, len(responses), size):
             rs, ss = responses[start : start + size], samples[start : start + size]

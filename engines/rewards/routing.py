@@ -12,7 +12,7 @@ Routing (`reward_name`), first match wins:
 3. the domain's own name.
 
 A name in `MODEL_REWARDS` (`judge`, `reward_model`) is scored in batches by `ModelRewards` with
-its options (config `reward.judge` / `reward.reward_model` as dicts); any other name is a reward
+its config section (`reward.judge` / `reward.reward_model`); any other name is a reward
 function (`get_reward`: registered name or "package.module:function"), each call isolated by
 `score_isolated` (timeout, exception -> 0.0 and the error kept).
 """
@@ -22,7 +22,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 from engines.rewards import get_reward, score_isolated
+from engines.rewards.config import RewardConfig, RewardPlacement
 from engines.rewards.models import MODEL_REWARDS, ModelRewards
+from engines.sandbox.runner import configure
 
 # (domain, response, sample) -> one scored item; sample holds prompt, answer, tests, metadata
 Item = tuple[str, str, dict]
@@ -48,27 +50,26 @@ def reward_name(domain: str, sample: dict, routes: dict[str, str] | None = None)
     return (routes or {}).get(domain) or meta.get("reward_fn") or domain
 
 
-def check_reward(name: str, models: dict[str, dict] | None = None) -> None:
+def check_reward(name: str, reward: RewardConfig) -> None:
     """Raise KeyError naming the problem when `name` cannot score anything: an unknown or unimportable
-    reward function, or a model reward whose `model` option is not set."""
+    reward function, or a model reward whose `model` is not set in `reward`."""
     if name in MODEL_REWARDS:
-        if not ((models or {}).get(name) or {}).get("model"):
+        if not getattr(reward, name).model:
             raise KeyError(f"domain routes to {name!r} but reward.{name}.model is not set")
         return
     get_reward(name)
 
 
-def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | None, models: dict[str, dict] | None,
-                  pool: cf.ThreadPoolExecutor, model_rewards: ModelRewards) -> tuple[list[tuple[float, str | None]], bool]:
+def score_samples(items: list[Item], reward: RewardConfig, pool: cf.ThreadPoolExecutor, model_rewards: ModelRewards,
+                  placement: RewardPlacement = RewardPlacement()) -> tuple[list[tuple[float, str | None]], bool]:
     """([(reward, error)] per item, hung). hung = a reward call is still stuck in `pool` (its owner should
-    be replaced). routes: domain -> reward name (config `reward.functions`); models: model reward name ->
-    its options (config `reward.judge` / `reward.reward_model`, as dicts), and under "sandbox" the code
-    sandbox's policy (config `reward.sandbox`, as a dict), set for this process before anything is scored.
-    Each result is a `Scored` (reward, error) that also says which sandbox mode scored it."""
-    if (models or {}).get("sandbox") is not None:
-        from engines.sandbox.runner import configure
-
-        configure(**models["sandbox"])
+    be replaced). `reward`: the config's reward section -- its routes (`functions`: domain -> reward name),
+    the per-call `timeout_s`, the model rewards' sections (their models built on `placement`), and the code
+    sandbox's policy (`sandbox`), set for this process before anything is scored. Each result is a
+    `Scored` (reward, error) that also says which sandbox mode scored it."""
+    box = reward.sandbox
+    configure(allow_weaker=box.allow_weaker, max_disk_mb=box.max_disk_mb, max_files=box.max_files)
+    routes, timeout_s = reward.functions, reward.timeout_s
     out: list = [None] * len(items)
     batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
     hung_any = False
@@ -86,8 +87,8 @@ def score_samples(items: list[Item], timeout_s: float, routes: dict[str, str] | 
         hung_any |= hung
         out[i] = Scored(res.reward, res.error, res.isolation)
     for name, idx in batched.items():
-        results, hung = model_rewards.score(name, (models or {}).get(name), [items[i][1] for i in idx],
-                                            [items[i][2] for i in idx])
+        results, hung = model_rewards.score(name, getattr(reward, name), [items[i][1] for i in idx],
+                                            [items[i][2] for i in idx], placement)
         hung_any |= hung
         for i, res in zip(idx, results):
             out[i] = Scored(*res)

@@ -20,6 +20,7 @@ import ray
 
 from engines.data.datasets import decode_nested, encode_nested
 from engines.generation.engine import SamplingParams
+from engines.rewards.config import RewardPlacement
 from infra.ray_session import actor_pool, kill_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
 from tasks.run.common import config_of, console
@@ -158,6 +159,11 @@ def _items(df: pd.DataFrame) -> list[tuple[str, str, dict]]:
     return [(row["domain"], row["response"], {k: row[k] for k in keep}) for _, row in df.iterrows()]
 
 
+def reward_placement(cfg) -> RewardPlacement:
+    """Where the reward workers' models live: the reward role's device and dtype."""
+    return RewardPlacement(*role_devices(cfg, "reward")["reward"])
+
+
 def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[list[float], list[str | None]]:
     """Rewards and errors for every row. Raises and timeouts are isolated per call inside a worker; a
     worker that hangs is replaced after its batch; a worker that crashes has its rows re-scored one
@@ -165,16 +171,12 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
     Domains routed to `judge` / `reward_model` are scored in timed batches by a model each worker
     loads once and keeps (engines/rewards/models.py)."""
     cfg = config_of(spec)
-    n, timeout, routes = cfg.reward.num_workers, cfg.reward.timeout_s, dict(cfg.reward.functions)
-    device, dtype = role_devices(cfg, "reward")["reward"]  # where the reward workers' models live
-    models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
-              "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype},
-              "sandbox": cfg.reward.sandbox.model_dump()}
+    n, args = cfg.reward.num_workers, (cfg.reward, reward_placement(cfg))
     opts = actor_options_for(cfg, "reward", shared_local_ray())
     items = _items(df)
     shards = [s for s in np.array_split(np.arange(len(items)), n) if len(s)]
     workers = actor_pool(RewardWorker, role, n, spec.run_id, {}, opts)
-    futures = [w.score.remote([items[i] for i in s], timeout, routes, models) for w, s in zip(workers, shards)]
+    futures = [w.score.remote([items[i] for i in s], *args) for w, s in zip(workers, shards)]
     rewards: list[float] = [0.0] * len(items)
     errors: list[str | None] = [None] * len(items)
     isolation: list[str | None] = [None] * len(items)   # returned as rewards.isolation (see ScoredList)
@@ -190,7 +192,7 @@ def score_table(spec: RunSpec, df: pd.DataFrame, role: str = "reward") -> tuple[
             for i in shard:
                 solo = actor_pool(RewardWorker, f"{role}-solo", 1, spec.run_id, {}, opts)[0]
                 try:
-                    (res,), hung = ray.get(solo.score.remote([items[i]], timeout, routes, models))
+                    (res,), hung = ray.get(solo.score.remote([items[i]], *args))
                     tainted |= hung
                 except ray.exceptions.RayActorError as e:
                     res = (0.0, f"reward worker crashed: {type(e).__name__}")
@@ -234,12 +236,8 @@ class RayRewards:
 
     def __init__(self, spec: RunSpec, role: str = "reward"):
         cfg = config_of(spec)
-        device, dtype = role_devices(cfg, "reward")["reward"]
-        models = {"judge": {**cfg.reward.judge.model_dump(), "device": device, "dtype": dtype},
-                  "reward_model": {**cfg.reward.reward_model.model_dump(), "device": device, "dtype": dtype},
-                  "sandbox": cfg.reward.sandbox.model_dump()}
         self.spec, self.role, self.n = spec, role, cfg.reward.num_workers
-        self.args = (cfg.reward.timeout_s, dict(cfg.reward.functions), models)
+        self.args = (cfg.reward, reward_placement(cfg))
         self.opts = actor_options_for(cfg, "reward", shared_local_ray())
         self.workers = actor_pool(RewardWorker, role, self.n, spec.run_id, {}, self.opts)
         self.rows, self.calls, self.hung, self.aborted = {}, 0, False, []

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import typing
 
 import ray
+
+if typing.TYPE_CHECKING:  # annotations only (the actor imports at run time, inside its methods)
+    from engines.rewards.config import RewardConfig, RewardPlacement
 
 # The engines are imported inside the actor's methods: a driver importing this module (to create the
 # actor) loads none of them.
@@ -23,14 +27,14 @@ class RewardWorker:
         self.pool = cf.ThreadPoolExecutor(max_workers=threads)
         self.model_rewards = ModelRewards(self.pool)
 
-    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, routes: dict[str, str] | None = None,
-              models: dict[str, dict] | None = None) -> tuple[list[tuple[float, str | None]], bool]:
+    def score(self, items: list[tuple[str, str, dict]], reward: RewardConfig,
+              placement: RewardPlacement) -> tuple[list[tuple[float, str | None]], bool]:
         """items: (domain, response, sample) -> ([(reward, error)], hung). hung = a call is still stuck.
-        routes: domain -> reward function name (config `reward.functions`); models: model reward
-        name -> its options (config `reward.judge` / `reward.reward_model`, as dicts)."""
+        `reward`: the config's reward section (routes, timeout, model rewards, sandbox); `placement`:
+        the reward role's device and dtype, where the model rewards load."""
         from engines.rewards.routing import score_samples
 
-        return score_samples(items, timeout_s, routes, models, self.pool, self.model_rewards)
+        return score_samples(items, reward, self.pool, self.model_rewards, placement)
 
     def model_stats(self) -> dict[str, dict[str, int]]:
         """Per model reward: builds (model loads), calls (batched calls) and samples scored so far."""

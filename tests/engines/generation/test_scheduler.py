@@ -17,10 +17,12 @@ G = 2
 
 def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=1, reward_delay=0.0, reward_wait=None,
            wrap_abort=None):
+    from engines.rewards.config import RewardConfig
     from engines.rewards.models import ModelRewards
     from engines.rewards.routing import score_samples
 
     model, tok = tiny_policy
+    reward = RewardConfig(functions={"parity": "tests.support.rewards:parity"}, timeout_s=timeout_s)
     engine = HFGenerationEngine(model, tok, micro_batch=64)
     seen = {"chunks": 0, "completions": []}
 
@@ -43,7 +45,7 @@ def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=
         if reward_wait is not None:
             reward_wait.wait(30.0)
         items = [(r["domain"], r["response"], {"prompt": r["prompt"]}) for r in rows]
-        results, _ = score_samples(items, timeout_s, {"parity": "tests.support.rewards:parity"}, None, iso, ModelRewards(iso))
+        results, _ = score_samples(items, reward, iso, ModelRewards(iso))
         return results
 
     return ThreadedSide(generate, 1), ThreadedSide(score, reward_threads), seen

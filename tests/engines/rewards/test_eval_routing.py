@@ -74,8 +74,7 @@ def test_reward_functions_route_eval_as_in_training(ray_local, tmp_path):
     table = pd.DataFrame([{"prompt": "a", "domain": "mine", "answer": "1", "metadata": {}},
                           {"prompt": "b", "domain": "mine", "answer": "1", "metadata": {}},
                           {"prompt": "c", "domain": "arithmetic", "answer": "5", "metadata": {"reward_fn": "exact_match"}}])
-    metrics, rows = evaluate(ScriptedEngine(["7", "x", "5"]), _tokenizer(), table, max_new_tokens=4,
-                             routes=dict(cfg.reward.functions), timeout_s=cfg.reward.timeout_s)
+    metrics, rows = evaluate(ScriptedEngine(["7", "x", "5"]), _tokenizer(), table, max_new_tokens=4, reward=cfg.reward)
     assert rows["reward"].tolist() == [1.0, 0.5, 1.0] == training_rewards(tmp_path, cfg, rows)
     assert metrics["accuracy/mine"] == 0.5 and metrics["reward/mine"] == 0.75
 
@@ -106,8 +105,7 @@ def test_multidomain_preset_math_eval_uses_the_reasoning_gym_scorer(ray_local, t
     (math_src,) = [s for s in d["sources"] if s["domain"] == "math"]
     _, table, _ = source_splits(math_src, d, cfg.run.seed)  # the preset's math eval rows, as make_dataset builds them
     responses = [f"The answer is {a}" for a in table["answer"]]
-    metrics, rows = evaluate(ScriptedEngine(responses), _tokenizer(), table, max_new_tokens=8,
-                             routes=dict(cfg.reward.functions), timeout_s=cfg.reward.timeout_s)
+    metrics, rows = evaluate(ScriptedEngine(responses), _tokenizer(), table, max_new_tokens=8, reward=cfg.reward)
     samples = [r.to_dict() for _, r in table.iterrows()]
     assert {reward_name("math", s, dict(cfg.reward.functions)) for s in samples} == {"reasoning_gym"}
     want = training_rewards(tmp_path, cfg, rows)

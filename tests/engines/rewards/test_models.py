@@ -51,8 +51,9 @@ def judge_dir(tmp_path_factory) -> str:
     return save_policy(model, tok, str(tmp_path_factory.mktemp("judge")))
 
 
-def _options(section: str, **overrides) -> dict:
-    return getattr(parse_config({}).reward, section).model_dump() | overrides
+def _options(section: str, **overrides):
+    """The config's reward.<section> (JudgeConfig / RewardModelConfig) with `overrides`."""
+    return getattr(parse_config({}).reward, section).model_copy(update=overrides)
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def test_model_reward_failures_cost_only_their_samples(rm_dir, tmp_path):
         assert not hung
         assert out[1][0] == 0.0 and out[1][1].startswith("TypeError")
         assert all(0 < s < 1 and e is None for i, (s, e) in enumerate(out) if i != 1)   # its batch-mates re-scored
-        timed, hung = rewards.score("reward_model", opts | {"timeout_s": 1e-9}, RESPONSES[:3], samples[:1] * 3)
+        timed, hung = rewards.score("reward_model", opts.model_copy(update={"timeout_s": 1e-9}), RESPONSES[:3], samples[:1] * 3)
         assert hung and all(s == 0.0 and "timeout after 1e-09s" in e for s, e in timed)
         missing, _ = rewards.score("judge", _options("judge"), ["a"], [{"prompt": "p"}])
         assert missing == [(0.0, "reward.judge.model is not set, but this sample's domain routes to 'judge'")]

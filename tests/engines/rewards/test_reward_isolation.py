@@ -65,12 +65,13 @@ def test_score_isolated_bad_values_are_flagged(pool, value):
 # --- the code sandbox through the scoring path (issue 41) -------------------------------------------
 
 def test_code_scores_say_which_isolation_ran_them(pool):
-    """score_samples sets the sandbox policy from models["sandbox"] and every code result carries the
+    """score_samples sets the sandbox policy from the reward section's `sandbox` and every code result carries the
     mode; reward_metrics counts them per domain as reward/<domain>/isolation_<mode>."""
     import pickle
 
     import pandas as pd
 
+    from engines.rewards.config import RewardConfig, SandboxConfig
     from engines.rewards.routing import Scored, score_samples
     from engines.rewards.models import ModelRewards
     from engines.sandbox.runner import POLICY
@@ -82,8 +83,8 @@ def test_code_scores_say_which_isolation_ran_them(pool):
     items = [("code", code, {"tests": ["assert f(1) == 2"]}), ("arithmetic", "7", {"answer": "7"})]
     saved = (POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files)
     try:
-        out, hung = score_samples(items, 30.0, None, {"sandbox": {"allow_weaker": None, "max_disk_mb": 64,
-                                                                 "max_files": 500}}, pool, ModelRewards(pool))
+        reward = RewardConfig(timeout_s=30.0, sandbox=SandboxConfig(max_disk_mb=64, max_files=500))
+        out, hung = score_samples(items, reward, pool, ModelRewards(pool))
         assert (POLICY.max_disk_mb, POLICY.max_files) == (64, 500)
     finally:
         POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files = saved
