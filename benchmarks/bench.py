@@ -1,3 +1,4 @@
+# longer than 400 lines: the `flyroll bench` harness: both sides' step runs and their comparison table
 """`flyroll bench`: flyroll versus TRL 1.16 GRPOTrainer, same machine, same run, alternating.
 
     flyroll bench                                        # tiny + SmolLM2, hf + vllm engines, TRL

@@ -1,3 +1,4 @@
+# longer than 400 lines: the `flyroll bench --learning` harness, both sides and their comparison
 """`flyroll bench --learning`: flyroll and TRL's GRPOTrainer, accuracy against wall time.
 
     flyroll bench --learning --config configs/smollm2_reasoning.yaml --budget-min 30

@@ -1,3 +1,4 @@
+# longer than 400 lines: the GPU check's phases, one function each, run in order by one script
 """The phases of benchmarks/gpu_rl_check.py, one function each (`RUNNERS`): env, learn, mfu, gen,
 rl_step, sync, strategies, lora. Each takes the phase context and returns its JSON-able result; the
 check's docstring says what each measures and proves.

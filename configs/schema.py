@@ -1,3 +1,4 @@
+# longer than 400 lines: the one typed config: every section with its help text in one file
 """The one typed, validated flyroll config (pydantic). Every field says what it does and its trade-off.
 
 Load with `load_config(path_or_None, overrides)`: YAML preset (+ the command line's `--set` items)

@@ -1,3 +1,4 @@
+# longer than 400 lines: compute declared once: per-role resources, Ray clusters, actor options, placement
 """Compute per role, declared once: Flyte `Resources`, accelerator, task image (infra/images.py), Ray cluster spec, actor options.
 
 Tasks import these by role. The profile is chosen when the workflow module is imported

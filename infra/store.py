@@ -1,3 +1,4 @@
+# longer than 400 lines: the ArtifactStore: verified reads, one-winner publish and the run lock share its helpers
 """The versioned artifact store: immutable, hash-checked versions in object storage.
 
 A version is a folder under the store root named by its key (`runs/<run_id>/policy/v0003`):

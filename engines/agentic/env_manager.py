@@ -1,3 +1,4 @@
+# longer than 400 lines: the lock-step episode loop and the token bookkeeping both managers share
 """The environment manager: many multi-turn episodes in lock-step, one batched generation per turn.
 
 Token-in/token-out. An episode is kept as token ids, never as text to re-tokenise:

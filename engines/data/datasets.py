@@ -1,3 +1,4 @@
+# longer than 400 lines: reading a prompt table: every format, every row refusal, the nested-column codec
 """Prompt tables: load JSONL/parquet (local or `s3://`), validate row by row, bound, format, write.
 
 A prompt table is a pandas DataFrame with one row per prompt and the columns of `PromptRow`:

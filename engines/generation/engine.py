@@ -1,3 +1,4 @@
+# longer than 400 lines: the engine Protocol and the HF engine with the logits processors only it uses
 """Generation engines behind one small Protocol.
 
 `hf` (transformers `generate`, KV cache, batched, left padding) is the embedded default and runs

@@ -8,7 +8,7 @@ N = max_split, S = ceil(M / N) new tokens per sample per round (one segment).
 `partial_rollout` is the bookkeeping of one iteration, plain Python over callables (draw prompts,
 sample new groups, continue samples, decode), so it runs the same over the Ray generation actors
 (tasks/loop/partial_rollout.py) and over a fake engine in tests. A sample is a dict: the rollout table's
-columns (engines/training/rollout_batch.py COLUMNS), plus `policy_versions` (the version of each segment, oldest first;
+columns (engines/data/rollout_table.py COLUMNS), plus `policy_versions` (the version of each segment, oldest first;
 `policy_version` is the last) and `stream_position` (where its prompt was drawn from the prompt
 stream: the group's identity and age).
 """

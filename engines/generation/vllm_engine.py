@@ -1,3 +1,4 @@
+# longer than 400 lines: the vLLM engine with its weight reload extension and sleep/wake, which share its state
 """vLLM generation engine behind the `GenerationEngine` Protocol (optional extra `vllm`).
 
 Token ids in (`TokensPrompt`), token ids + per-token behaviour log-probs out, like

@@ -1,3 +1,4 @@
+# longer than 400 lines: run inside the sandbox as one text (`python -I -B -c`): it cannot import a second file
 """What runs inside the code sandbox (engines/sandbox/runner.py), as `python -I -B -c <this file's text>`.
 
 Self-contained on purpose: the sandboxed interpreter sees neither this package nor the caller's

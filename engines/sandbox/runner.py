@@ -1,3 +1,4 @@
+# longer than 400 lines: the sandbox supervisor: one security boundary, read as one file
 """Run model-written Python in a sandbox and return a `Verdict`.
 
 Every program runs in a fresh process tree, in its own session, in a fresh temporary working

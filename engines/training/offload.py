@@ -30,17 +30,33 @@ import torch
 PARTS = {"none": (), "optimizer": ("optimizer",), "all": ("optimizer", "params")}  # placement.offload_train -> parts
 
 
-def offload_engines(offload: "TrainStateOffload | None", engines: dict, mode: str,
-                    keep_params: bool = False) -> "tuple[TrainStateOffload | None, int]":
-    """What a training actor does for `placement.offload_train` = `mode`: move `PARTS[mode]` of
-    `engines` ({name: engine or None}) away, the parameters not while `keep_params`, with `offload`
-    (created, writing to the temp dir, on first use). Returns (the offload, bytes moved)."""
-    parts = tuple(p for p in PARTS[mode] if not (keep_params and p == "params"))
-    if not parts:
-        return offload, 0
-    if offload is None:
-        offload = TrainStateOffload({k: e for k, e in engines.items() if e is not None}, tempfile.gettempdir())
-    return offload, offload.offload(parts)
+class EngineOffload:
+    """What a training actor holds for `placement.offload_train`: its `TrainStateOffload`, made on first
+    use (writing to the temp dir), and the three calls the actor makes of it."""
+
+    def __init__(self):
+        self.state: TrainStateOffload | None = None
+
+    def release(self, engines: dict, mode: str, keep_params: bool = False) -> int:
+        """Move `PARTS[mode]` of `engines` ({name: engine or None}) away, the parameters not while
+        `keep_params` (a live sync still reads them). Returns the bytes moved."""
+        parts = tuple(p for p in PARTS[mode] if not (keep_params and p == "params"))
+        if not parts:
+            return 0
+        if self.state is None:
+            self.state = TrainStateOffload({k: e for k, e in engines.items() if e is not None}, tempfile.gettempdir())
+        return self.state.offload(parts)
+
+    def reload(self) -> None:
+        """What is away back on the device, before anything reads it."""
+        if self.state is not None:
+            self.state.reload()
+
+    def discard(self) -> None:
+        """Forget what is away: the engines it belongs to were replaced."""
+        if self.state is not None:
+            self.state.discard()
+            self.state = None
 
 
 def _params(engine) -> list[torch.nn.Parameter]:

@@ -1,3 +1,4 @@
+# longer than 400 lines: the four training strategies behind one Protocol, side by side
 """Training strategies: how one model and its optimizer are spread over N processes.
 
 `torch` (one process, the default), `ddp` (torch DistributedDataParallel), `fsdp2` (torch

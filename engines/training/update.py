@@ -1,3 +1,4 @@
+# longer than 400 lines: the actor and critic update engines and the micro-batching they share
 """The plain-PyTorch training engines: one PPO-style update of the actor, and of the critic (PPO
 with GAE), on a scored rollout batch.
 

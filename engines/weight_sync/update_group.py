@@ -1,3 +1,4 @@
+# longer than 400 lines: the live sync's wire format and its class, sender and receiver of one protocol
 """Live weight sync: the model update group (ROLL's `ModelUpdateGroup`, verl/OpenRLHF's weight broadcast).
 
 One `torch.distributed` process group of its own (its own TCPStore, never the default group, so it

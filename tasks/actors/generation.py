@@ -13,6 +13,7 @@ import threading
 import ray
 
 from tasks.actors.process import engine_process, placed
+from tasks.actors.sync_roles import GroupMember
 
 # Everything else is imported inside the actor's methods, on purpose: an actor's process sets its torch
 # threads (`engine_process`) before torch and the engines load, and a driver importing this module
@@ -60,9 +61,10 @@ class GenerationWorker:
         self.engine_name, self.vllm_options = engine, dict(vllm_options or {})
         self.aborts: dict[str, threading.Event] = {}  # request id -> its abort event, while it may still run
         # called with i after bucket i of a live sync is applied (engines/weight_sync/update_group.py `receive`): None in
-        # a run; tests/test_live_sync.py sets it to stop this actor in the middle of a sync
+        # a run; tests/tasks/loop/test_live_sync.py sets it to stop this actor in the middle of a sync
         self.on_bucket = None
         self.stream = None   # engines/generation/request_stream.py RequestStream, while the agentic rollout has one open
+        self.sync = GroupMember()  # its place in a model update group (tasks/loop/live_sync.py)
 
     def _engine_free(self, what: str) -> None:
         if self.stream is not None:
@@ -142,28 +144,18 @@ class GenerationWorker:
     def join_update_group(self, address: str, port: int, world_size: int, rank: int, token: str, timeout_s: float,
                           transport: str = "broadcast") -> str:
         """Join the model update group `token` as receiver `rank` (engines/weight_sync/update_group.py; tasks/loop/live_sync.py)."""
-        from engines.weight_sync.update_group import ModelUpdateGroup
-
-        if getattr(self, "update_group", None) is not None:
-            self.update_group.close()
-        self.update_group = None
-        group = ModelUpdateGroup(address, port, world_size, rank, transport=transport, timeout_s=timeout_s,
-                                 member=f"generation actor {ray.get_runtime_context().get_actor_name()}")
-        self.update_group, self.update_token = group, token
-        return token
+        return self.sync.join(address, port, world_size, rank, token, timeout_s, transport,
+                              f"generation actor {ray.get_runtime_context().get_actor_name()}")
 
     def update_group_state(self) -> dict:
         """{"token": the usable update group this actor is in (None: none, or broken by a failed sync),
         "transport": its transport, "node": this actor's Ray node id}."""
-        group = getattr(self, "update_group", None)
-        usable = group is not None and not group.broken and self.engine is not None
-        return {"token": self.update_token if usable else None, "transport": group.transport if usable else None,
-                "node": ray.get_runtime_context().get_node_id()}
+        return self.sync.state(ready=self.engine is not None)
 
     def receive_weights(self, key: str) -> int | None:
         """Take the next live sync into the engine in place; it then serves `key`. Returns the version the engine reports."""
         return self.fill_weights(key, f"receive_weights {key}",
-                                 lambda engine: self.update_group.receive(engine, on_bucket=self.on_bucket))
+                                 lambda engine: self.sync.group.receive(engine, on_bucket=self.on_bucket))
 
     def fill_weights(self, key: str, what: str, fill):
         """A live sync into the engine in place: weights woken (after sleep(2): allocated, unfilled),

@@ -143,7 +143,7 @@ class HybridWorker:
                                      f"not {role} (placement.colocate decides which roles placement.hybrid puts in it)")
                 part = HOSTED[role].__ray_actor_class__(**self.kwargs[role])
                 if role == "actor_train":
-                    part.every_rank_keeps = True  # each rank fills its own worker's engine (sync_in_process)
+                    part.kept.every_rank = True  # each rank fills its own worker's engine (sync_in_process)
                 self.parts[role] = part
             return self.parts[role]
 

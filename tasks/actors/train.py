@@ -11,6 +11,7 @@ import typing
 import ray
 
 from tasks.actors.process import engine_process, placed
+from tasks.actors.sync_roles import GroupMember, KeptWeights
 
 # Everything else is imported inside the methods, on purpose (see tasks/actors/generation.py).
 
@@ -33,13 +34,15 @@ class TrainWorker:
         """`devices`: {"actor_train": (device, dtype), "critic": (device, dtype)}: float32 weights and
         AdamW state on the device, forwards under autocast in the dtype (engines/models/devices.py). None = cpu, float32."""
         engine_process(threads)
+        from engines.training.offload import EngineOffload  # torch loads after engine_process set the threads
+
         self.devices = devices
         self.key, self.model, self.tokenizer, self.engine = None, None, None, None
         self.critic_engine, self.algo_state = None, None
         self.rank, self.world_size, self.address = 0, 1, None
-        self.sync_kept, self.sync_weights = False, None  # what the last step kept for `send_weights`
-        self.every_rank_keeps = False  # a hybrid worker's trainer (tasks/actors/hybrid.py): each rank fills its own engine
-        self.offload = None  # engines/training/offload.py TrainStateOffload while placement.offload_train has state away
+        self.kept = KeptWeights()                  # what the last step kept for `send_weights`
+        self.sync = GroupMember()                  # its place in a model update group (rank 0 only)
+        self.offload = EngineOffload()             # placement.offload_train: the state moved off the device
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, port) for the process group's store, on rank 0's node (the one it already has)."""
@@ -93,9 +96,7 @@ class TrainWorker:
 
         model_dir = fetch_cached(spec, key)
         device, dtype = placed(self.devices, "actor_train")
-        if self.offload is not None:  # the engines it holds state of are replaced
-            self.offload.discard()
-            self.offload = None
+        self.offload.discard()  # the engines it holds state of are replaced
         path, own = os.path.join(model_dir, TRAINER_STATE), is_policy_of(spec.run_id, key)
         if state is None:
             held = os.path.exists(path)
@@ -147,16 +148,10 @@ class TrainWorker:
         the parameters not while `keep_params` (a live sync still reads them); the next call that
         needs it (`update`, `trainer_state`, `send_weights`) brings it back. Returns the bytes moved."""
         from engines.models.host_memory import release_allocator_caches
-        from engines.training.offload import offload_engines
 
-        self.offload, moved = offload_engines(self.offload, {"actor": self.engine, "critic": self.critic_engine},
-                                              offload, keep_params)
+        moved = self.offload.release({"actor": self.engine, "critic": self.critic_engine}, offload, keep_params)
         release_allocator_caches()
         return moved
-
-    def _resident(self) -> None:
-        if self.offload is not None:
-            self.offload.reload()
 
     def step(self, table, algorithm: AlgorithmConfig, training: TrainingConfig, temperature: float, seed: int, next_key: str,
              train_actor: bool = True, out: tuple[str, str] | None = None,
@@ -190,21 +185,18 @@ class TrainWorker:
         self.key = next_key  # what weight_sync will publish these weights as
         # a sharded trainer's live sync of a version it does not write gathers per bucket in `send_weights`:
         # no rank gathers the whole model here (decided alike on every rank: same arguments, same strategy)
-        self.sync_kept = keep_weights and (write or not any(is_shard(p) for p in self.engine.model.parameters()))
+        sync_kept = keep_weights and (write or not any(is_shard(p) for p in self.engine.model.parameters()))
         # gathered on every rank (collectives), written by rank 0: the same checkpoint as one process
         state = self.trainer_state() if trainer_state else None
-        weights = self.engine.checkpoint_state_dict() if write or self.sync_kept else None  # LoRA: merged into plain weights
+        weights = self.engine.checkpoint_state_dict() if write or sync_kept else None  # LoRA: merged into plain weights
         critic_weights = None
         if self.critic_engine is not None and write:
             critic_weights = self.critic_engine.strategy.full_state_dict()
         # sync.method=live: the weights just gathered are what `send_weights` sends next (kept until then;
         # on rank 0 only, unless every rank fills an engine of its own: a hybrid worker)
-        kept = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if self.sync_kept else None
-        if self.rank != 0:
-            self.sync_weights = kept if self.every_rank_keeps else None
-            return metrics, {}
-        self.sync_weights = kept
-        if not write:
+        kept = (weights if weights is not None else plain_model(self.engine.model).state_dict()) if sync_kept else None
+        self.kept.keep(sync_kept, kept, self.rank)
+        if self.rank != 0 or not write:
             return metrics, {}
 
         def save(d: str) -> None:
@@ -240,22 +232,11 @@ class TrainWorker:
     def join_update_group(self, address: str, port: int, world_size: int, token: str, timeout_s: float,
                           transport: str = "broadcast") -> str:
         """Rank 0 (the sender) of the model update group `token` (engines/weight_sync/update_group.py)."""
-        from engines.weight_sync.update_group import ModelUpdateGroup
-
-        if getattr(self, "update_group", None) is not None:
-            self.update_group.close()
-        self.update_group = None
-        self.update_group = ModelUpdateGroup(address, port, world_size, 0, transport=transport, timeout_s=timeout_s,
-                                             member="trainer rank 0")
-        self.update_token = token
-        return token
+        return self.sync.join(address, port, world_size, 0, token, timeout_s, transport, "trainer rank 0")
 
     def update_group_state(self) -> dict:
         """As GenerationWorker.update_group_state: the usable group's token and transport, and this actor's node."""
-        group = getattr(self, "update_group", None)
-        usable = group is not None and not group.broken
-        return {"token": self.update_token if usable else None, "transport": group.transport if usable else None,
-                "node": ray.get_runtime_context().get_node_id()}
+        return self.sync.state()
 
     def send_weights(self, version: int, dtype: str, bucket_bytes: int) -> dict | None:
         """Called on every training rank at once. Rank 0 sends the weights of the last
@@ -279,7 +260,7 @@ class TrainWorker:
         if weights is None and not sharded:
             weights = self.own_weights()
         named = list(weights.items()) if weights is not None else params
-        report = self.update_group.send(named, version=version, dtype=dtype, bucket_bytes=bucket_bytes)
+        report = self.sync.group.send(named, version=version, dtype=dtype, bucket_bytes=bucket_bytes)
         own = {p.data_ptr() for _, p in params}  # a one-process trainer keeps its own tensors: no copy held
         held = sum(t.numel() * t.element_size() for t in weights.values() if t.data_ptr() not in own) if kept else 0
         return {**dataclasses.asdict(report), "kept_bytes": held}
@@ -289,14 +270,8 @@ class TrainWorker:
         `sync_in_process`, tasks/actors/hybrid.py): (whether the step kept weights for it, the weights this rank
         kept or None, the model's named parameters, resident again after placement.offload_train,
         whether they are shards)."""
-        from engines.training.lora import plain_model
-        from engines.weight_sync.gather import is_shard
-
-        self._resident()  # placement.offload_train: the weights back before they are read
-        kept, self.sync_kept = self.sync_kept, False
-        weights, self.sync_weights = self.sync_weights, None
-        params = list(plain_model(self.engine.model).named_parameters())
-        return kept, weights, params, any(is_shard(p) for _, p in params)
+        self.offload.reload()  # placement.offload_train: the weights back before they are read
+        return self.kept.take(self.engine.model)
 
     def own_weights(self) -> dict:
         """This process's whole weights as the plain model's (LoRA merged): a trainer whose parameters
@@ -313,7 +288,7 @@ class TrainWorker:
         from engines.training.rl_step import train_update
         from engines.data.rollout_table import batch_from_table
 
-        self._resident()
+        self.offload.reload()
         batch = batch_from_table(table, self.tokenizer.pad_token_id)  # the one conversion
         metrics, self.algo_state = train_update(
             self.engine, self.critic_engine, batch, algorithm, self.algo_state, temperature=temperature,
@@ -324,7 +299,7 @@ class TrainWorker:
     def trainer_state(self) -> dict:
         """Collective. What trainer_state.pt holds: optimizer moments and LR schedule (with LoRA the
         adapters and the frozen base's key), the objective state, the critic's optimizer state."""
-        self._resident()
+        self.offload.reload()
         state = {**self.engine.state_dict(), "algorithm": self.algo_state.to_dict()}
         if self.engine.lora:  # the frozen base's key: a resume loads it and puts the adapters back on it
             state["lora_base"] = self.lora_base

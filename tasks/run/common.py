@@ -224,7 +224,7 @@ def stage(spec: RunSpec, name: str, iteration: int, metrics: dict):
 
 
 def check_columns(df: pd.DataFrame, *stages: str, at: str = "at a stage boundary") -> None:
-    """Schema check of the rollout table at a task boundary, against engines/training/rollout_batch.py `COLUMNS`: every
+    """Schema check of the rollout table at a task boundary, against engines/data/rollout_table.py `COLUMNS`: every
     column the given `stages` write is there (optional ones: checked when present) and of its declared
     dtype, and every token-level (`aligned`) column has one entry per `response_token_ids` token in
     every row. Raises ValueError naming the boundary `at` ("entering training"), the column, the

@@ -1,8 +1,8 @@
 """What crosses a task boundary: small frozen dataclasses of URIs, keys and scalars (never tensors).
 
 The rollout batch itself travels as a pandas DataFrame (Flyte StructuredDataset, parquet), one row
-per sample; its columns are declared once in engines/training/rollout_batch.py `COLUMNS`, beside the
-`RolloutBatch` the engines turn it into.
+per sample; its columns are declared once in engines/data/rollout_table.py `COLUMNS`, beside its
+conversion to the `RolloutBatch` the engines take.
 """
 
 from __future__ import annotations

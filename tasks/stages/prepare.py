@@ -1,3 +1,4 @@
+# longer than 400 lines: the run's set-up tasks (config, dataset, base policy, reference, resume point)
 """Before the loop: validate the config and open the run, build the datasets, bootstrap the policy,
 import the KL reference (`model.reference_path`) and check that it shares the policy's vocabulary
 (the imports and model checks themselves: tasks/run/model_import.py)."""

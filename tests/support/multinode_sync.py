@@ -83,7 +83,7 @@ def main(model_dir: str, work: str) -> dict:
         key, version, held = ray.get(gen.__ray_call__.remote(
             lambda w: (w.key, w.engine.version, {k: v.clone() for k, v in w.engine.model.state_dict().items()})))
         # the address the engine dialled for the group's store: the trainer's node (tasks/actors/train.py free_port)
-        store_addr = ray.get(gen.__ray_call__.remote(lambda w: (w.update_group._tcp.host, w.update_group._tcp.port)))
+        store_addr = ray.get(gen.__ray_call__.remote(lambda w: (w.sync.group._tcp.host, w.sync.group._tcp.port)))
         nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes() if n["Alive"]}
         return {"trainer_node": ray.get(trainer.__ray_call__.remote(node)), "gen_node": ray.get(gen.__ray_call__.remote(node)),
                 "nodes": nodes, "store_addr": list(store_addr), "trainer_ip": ray.get(trainer.__ray_call__.remote(

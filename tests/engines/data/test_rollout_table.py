@@ -1,4 +1,4 @@
-"""The rollout table's one declaration (engines/training/rollout_batch.py COLUMNS).
+"""The rollout table's one declaration (engines/data/rollout_table.py COLUMNS).
 
 Tables built by the real writers on the tiny model (the rollout's `completion_rows` over
 HFGenerationEngine completions, the agentic `episode_rows` over `run_episodes`, then `with_rewards` /

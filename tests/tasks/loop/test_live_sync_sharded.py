@@ -21,8 +21,8 @@ from tests.support.workflow import REPO
 
 
 def _sync_state(worker) -> tuple:
-    """(sync_kept, whether rank 0 holds weights kept for the sync) of a training actor."""
-    return ray.get(worker.__ray_call__.remote(lambda w: (w.sync_kept, w.sync_weights is not None)))
+    """(whether the step kept weights for the sync, whether rank 0 holds them) of a training actor."""
+    return ray.get(worker.__ray_call__.remote(lambda w: (w.kept.kept, w.kept.weights is not None)))
 
 
 def _full_weights(workers) -> dict:
@@ -57,7 +57,7 @@ NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 ])
 def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tmp_path, monkeypatch, strategy, zero):
     """Iteration 1 (a version not published: write=False): the step gathers nothing and keeps nothing
-    (rank 0's `sync_weights` is None); the sync gathers per parameter: the largest full tensor held at
+    (rank 0's kept weights are None); the sync gathers per parameter: the largest full tensor held at
     once is one parameter, not the model. A refused sync (a dtype the engine does not hold) still makes
     rank 1's gathers, so no rank is left in a collective. Iteration 2 (published: the step writes the
     checkpoint): the sync reuses what the step gathered, nothing is gathered again. After each sync the
