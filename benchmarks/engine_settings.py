@@ -1,7 +1,7 @@
 """The default preset's settings as plain values, for the engine-level benchmarks
 (benchmarks/gpu_rl_check.py, benchmarks/gpu_mfu.py) that run where pydantic and configs/ are not
 installed (a lent GPU box). The one place to switch after the algorithm config moves to
-engines/algorithms/config.py; tests/benchmarks/test_gpu_check.py checks every value against configs/tiny.yaml
+engines/algorithms/config.py; tests/benchmarks/test_gpu_rl_check.py checks every value against configs/tiny.yaml
 as the config schema loads it."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ its estimate is interrupted (SIGALRM). Exit status 1 when a phase failed, 0 othe
 The phases are in benchmarks/gpu_rl_phases.py, what they share in benchmarks/gpu_rl_context.py.
 Rollout rows become the training engine's input in one place (gpu_rl_context.py `train_batch`, through
 `RolloutBatch.from_table`, as in the training actor); the algorithm settings are plain values in
-benchmarks/engine_settings.py (the default preset's; tests/benchmarks/test_gpu_check.py checks them against
+benchmarks/engine_settings.py (the default preset's; tests/benchmarks/test_gpu_rl_check.py checks them against
 configs/tiny.yaml), so the script needs no pydantic.
 """
 

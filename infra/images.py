@@ -13,7 +13,7 @@ anything by itself, and local `pyflyte run` never builds (flytekit builds at ser
 
 The image holds the dependencies only: the project's code travels with each registration (fast
 registration), so a code change needs no new image. `PACKAGES` repeats pyproject.toml's
-dependencies and the extras a task may import (tests/infra/test_cluster.py keeps them equal); the `vllm`
+dependencies and the extras a task may import (tests/infra/test_images_cluster_package.py keeps them equal); the `vllm`
 extra is left out (its own venv, docs/engines.md) and so is `test`.
 
 The image bakes in `FLYROLL_PROFILE` and `FLYROLL_IMAGE_REGISTRY`: a dynamic task (`rl_loop`)
@@ -32,7 +32,7 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CUDA_BASE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
 EXTRAS = ("rewards", "agentic", "smollm2", "lora", "deepspeed")
 
-# pyproject.toml [project] dependencies, then the EXTRAS' packages (tests/infra/test_cluster.py compares)
+# pyproject.toml [project] dependencies, then the EXTRAS' packages (tests/infra/test_images_cluster_package.py compares)
 PACKAGES = (
     "torch==2.13.0", "flytekit>=1.16,<2", "flytekitplugins-ray>=1.16,<2", "ray[default]>=2.50", "mlflow>=3.0",
     "pandas>=2.2", "pyarrow>=17", "fsspec>=2024.6", "s3fs>=2024.6", "transformers>=4.56", "safetensors>=0.4",

@@ -13,7 +13,7 @@ device and dtype its models use (`resolve_device`: 'auto' = cuda when its worker
 Flyte resources, its Ray cluster (one pod per worker) and the actors' reservations (colocated roles
 reserve fractions of the same devices, separate roles whole ones). With `placement` left at its
 defaults they return exactly the profile values above. `hosted_roles` / `task_actors` declare which
-actors each stage task creates (what its Ray cluster must have room for; tests/infra/test_placement.py).
+actors each stage task creates (what its Ray cluster must have room for; tests/infra/test_resources_placement.py).
 The agentic rollout and evaluation tasks with `env.workers > 0` also start the env worker pool
 (infra/env_pool.py): their cluster gets one more CPU-only pod of ceil(env.workers x env.worker_cpus)
 CPUs (`env_pool_cpus`) and env.workers x env.worker_memory + 1Gi (`env_pool_memory_gi`) for it.
@@ -414,7 +414,7 @@ def _with_guest_workers(cfg, task: str, job: RayJobConfig) -> RayJobConfig:
     task, and in the rollout task under dynamic sampling), a worker group of one pod per worker
     sized as that role's own stage sizes its pods (the scoring task's) -- when `placement` sets
     either pool's resources. With both at the profile's, the profile's pods hold them beside the
-    engines (1 reward CPU next to 4 of 8 engine CPUs on gpu; tests/infra/test_placement.py checks every preset)."""
+    engines (1 reward CPU next to 4 of 8 engine CPUs on gpu; tests/infra/test_resources_placement.py checks every preset)."""
     plan = placement_plan(cfg)
     groups = list(job.worker_node_config)
     own_custom = _pool_footprint(plan, _POOLS[task])[3]

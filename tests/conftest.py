@@ -74,7 +74,7 @@ def e2e_run(tmp_path_factory):
 # shared base) are built once, by one worker; the modules that load SmolLM2 share a group so that two
 # ~8 GB pipelines never run at the same time on the 24 GiB box. The groups holding the longest
 # end-to-end runs are handed out first, so the two workers finish close together.
-SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_eval_routing"}   # + tests marked xdist_group("smollm2")
+SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_evaluation_routing"}   # + tests marked xdist_group("smollm2")
 # modules that share a session fixture with another module's group: `e2e_run`, `tiny_base_dir`
 SAME_GROUP = {"test_lineage": "test_workflow", "test_hybrid": "test_workflow", "test_learning": "test_presets"}
 LONGEST_FIRST = ["vllm_workflow", "test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_resume", "test_s3",

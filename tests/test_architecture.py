@@ -160,6 +160,22 @@ def test_tests_mirror_the_tree():
     assert len(names) == len(set(names)), "test file names must stay unique (pytest imports them by basename)"
 
 
+def test_test_files_are_named_after_what_they_test():
+    """tests/<floor>/<wing>/test_<module>[_<aspect>].py: a test file's name starts with a module or package
+    of the folder it mirrors, or with that folder's own name when it tests the package as a whole."""
+    tests, bad = ROOT / "tests", []
+    for path in tests.rglob("test_*.py"):
+        rel = path.relative_to(tests)
+        if rel.parts[0] not in SOURCE_FLOORS:
+            continue
+        source = ROOT.joinpath(*rel.parts[:-1])
+        own = {p.stem for p in source.glob("*.py")} | {p.name for p in source.iterdir() if p.is_dir()} | {source.name}
+        stem = path.stem.removeprefix("test_")
+        if not any(stem == n or stem.startswith(f"{n}_") for n in own):
+            bad.append(str(path.relative_to(ROOT)))
+    assert not bad, "name each test file after the module it tests (test_<module>[_<aspect>].py):\n" + "\n".join(bad)
+
+
 SOURCE_LIMIT = 400
 REASON = "# longer than 400 lines:"
 

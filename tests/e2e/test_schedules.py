@@ -1,6 +1,6 @@
 """Scheduled retraining: the `retrain` workflow run locally through `pyflyte run`, promoting the
 champion when the new policy is better and keeping it when not. (The launch plans in `pyflyte
-package`: tests/infra/test_cluster.py.)
+package`: tests/infra/test_images_cluster_package.py.)
 
 The slow tests share one rlvr e2e run (local store, SQLite MLflow) whose last policy becomes the
 champion; its recorded score (tag flyroll.eval_accuracy on the model version) is set below anything

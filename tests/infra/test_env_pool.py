@@ -44,7 +44,7 @@ def test_ray_pool_gives_the_lockstep_episodes(ray_local):
 
 def test_ray_pool_carries_the_env_stop_strings_and_tools(ray_local):
     """tool_table through the Ray actors: its stop strings and tool specs reach the manager in the
-    reset's EnvTurns (tests/engines/agentic/test_tool_episodes.py has the in-process cases)."""
+    reset's EnvTurns (tests/engines/agentic/test_tool_calls_episodes.py has the in-process cases)."""
     from tests.support.tool_episodes import CALL, QWEN25_TEMPLATE, SAMPLING, ScriptedToolEngine, char_tokenizer
 
     tok = char_tokenizer(QWEN25_TEMPLATE)

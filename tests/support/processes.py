@@ -1,5 +1,5 @@
 """Running a command until a marker file appears, then killing its whole process tree
-(tests/e2e/test_resume.py, tests/infra/test_run_status.py)."""
+(tests/e2e/test_resume.py, tests/infra/test_tracking_run_status.py)."""
 
 from __future__ import annotations
 

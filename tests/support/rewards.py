@@ -1,6 +1,6 @@
 """User reward functions that test configs name by path (`reward.functions`, `metadata.reward_fn`):
-`tests.support.rewards:parity` (tests/engines/generation/test_scheduler.py, tests/tasks/loop/test_refill.py, tests/tasks/loop/test_partial_rollout.py),
-`tests.support.rewards:graded` (tests/engines/rewards/test_eval_routing.py, tests/infra/test_eval_cli.py),
+`tests.support.rewards:parity` (tests/engines/generation/test_scheduler.py, tests/tasks/loop/test_prompts_refill.py, tests/tasks/loop/test_partial_rollout.py),
+`tests.support.rewards:graded` (tests/engines/rewards/test_evaluation_routing.py, tests/infra/test_eval_cli.py),
 `tests.support.rewards:pausing_starts_with_digit` (tests/e2e/test_resume.py, tests/tasks/loop/test_publish_plan.py)."""
 
 from __future__ import annotations

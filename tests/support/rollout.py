@@ -1,4 +1,4 @@
-"""The real rollout task's inputs for a DAPO-style run on the tiny model (tests/tasks/loop/test_refill.py,
+"""The real rollout task's inputs for a DAPO-style run on the tiny model (tests/tasks/loop/test_prompts_refill.py,
 tests/tasks/loop/test_partial_rollout.py)."""
 
 from __future__ import annotations

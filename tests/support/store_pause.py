@@ -1,5 +1,5 @@
 """A test hook that pauses a run inside the artifact store so a test can SIGKILL it there
-(tests/infra/test_run_status.py, tests/tasks/loop/test_publish_plan.py): a `sitecustomize.py` put first on the run's
+(tests/infra/test_tracking_run_status.py, tests/tasks/loop/test_publish_plan.py): a `sitecustomize.py` put first on the run's
 PYTHONPATH wraps `infra.store.ArtifactStore` when that module is imported, in every process of the run.
 
 - `FLYROLL_TEST_PAUSE_PUBLISH=<suffix>`: right after the store published a key ending in it (the

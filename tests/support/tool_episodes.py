@@ -1,6 +1,6 @@
 """Tool-call test helpers: Qwen2.5's chat template (its tool parts verbatim), templates that list or
 ignore tools, a scripted engine that ends its text at stop strings as the HF engine does, and the
-calls it plays (tests/engines/agentic/test_tool_calls.py, tests/engines/agentic/test_tool_episodes.py, tests/infra/test_env_pool.py)."""
+calls it plays (tests/engines/agentic/test_tool_calls.py, tests/engines/agentic/test_tool_calls_episodes.py, tests/infra/test_env_pool.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The WebShop teacher's plan cut one option short (tests/engines/agentic/test_envs_webshop.py, tests/engines/agentic/test_env_manager.py)."""
+"""The WebShop teacher's plan cut one option short (tests/engines/agentic/envs/test_webshop.py, tests/engines/agentic/test_env_manager.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ left, goal bottom right, a path guaranteed), so seed ``s`` gives the same map as
 ``gym.make("FrozenLake-v1", desc=generate_random_map(size, p, s))``. Transitions are gymnasium's
 (``is_slippery=False``: the move happens; moving into the border leaves the player in place;
 entering ``H`` or ``G`` ends the episode, reward 1 on ``G``) re-implemented in plain Python so the
-state can be copied and searched; ``tests/engines/agentic/test_envs.py`` checks them against gymnasium's own env.
+state can be copied and searched; ``tests/engines/agentic/envs/test_envs.py`` checks them against gymnasium's own env.
 ``is_slippery=True`` follows gymnasium's rule (the intended move or one of its two perpendicular
 neighbours, 1/3 each) with the episode's own ``random.Random(seed)``, not gymnasium's generator.
 

@@ -2,7 +2,7 @@
 while the trainer beside it runs (placement.offload_generation, docs/placement.md): level 1 hands the
 generation buffers back, level 2 frees the weights; woken weights serve nothing until an update fills
 them; once filled the engine generates the same tokens as before it slept. The pipeline through Ray
-actors is tests/tasks/stages/test_colocated_offload.py; the memory it saves, benchmarks/colocation_memory.py."""
+actors is tests/tasks/stages/test_training_colocated_offload.py; the memory it saves, benchmarks/colocation_memory.py."""
 
 from __future__ import annotations
 

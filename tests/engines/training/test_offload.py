@@ -1,7 +1,7 @@
 """A training engine's state off the device between steps (engines/training/offload.py, placement.offload_train):
 offloaded and reloaded, the optimizer state and weights come back bitwise and the next steps match an
 engine that never offloaded, bit for bit; offloaded on CPU, the process's RSS drops. The Ray actors'
-path is tests/tasks/stages/test_colocated_offload.py; the memory it saves, benchmarks/colocation_memory.py."""
+path is tests/tasks/stages/test_training_colocated_offload.py; the memory it saves, benchmarks/colocation_memory.py."""
 
 from __future__ import annotations
 

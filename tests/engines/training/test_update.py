@@ -1,7 +1,7 @@
 """The training side of the engines on a tiny char-level Qwen2 (seconds on one CPU thread): the
 actor update (`engines/training/update.py`: micro-batching by tokens, loss masks, normalisation, skipped
 rows, the tied embedding's gradient). The batch layout and per-token log-probs have their own file,
-tests/engines/models/test_batching.py; shared-prefix log-probs too, tests/engines/generation/test_shared_prefix.py."""
+tests/engines/models/test_batching.py; shared-prefix log-probs too, tests/engines/generation/test_engine_shared_prefix.py."""
 
 from __future__ import annotations
 

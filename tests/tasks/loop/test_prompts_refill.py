@@ -41,7 +41,7 @@ def test_refills_run_in_the_rollout_task_not_the_scoring_task(tmp_path, monkeypa
     """DAPO through the real rollout and score tasks (local Flyte, local Ray, a tiny policy, a reward
     that is always 1 so every group is all-equal and the batch is refilled up to the cap): the
     generation actors the refills need are only ever created by the rollout task, whose cluster is
-    declared with room for them (infra/resources.py `hosted_roles`; tests/infra/test_placement.py checks
+    declared with room for them (infra/resources.py `hosted_roles`; tests/infra/test_resources_placement.py checks
     the fit); the scoring task creates no generation actor and passes the scored table through."""
     import yaml
 

@@ -16,7 +16,7 @@ from engines.models.modeling import CHARSET
 
 # options that make an environment's text fit the tiny tokenizer (webshop renders WebShop's [...] by default)
 TINY_KWARGS = {"webshop": {"brackets": "()"}}
-NOT_TINY = {"tool_table"}        # JSON tool calls and capitals: for real tokenizers only (tests/engines/agentic/test_envs_tool_table.py)
+NOT_TINY = {"tool_table"}        # JSON tool calls and capitals: for real tokenizers only (tests/engines/agentic/envs/test_tool_table.py)
 
 
 def tiny_env(name: str):

@@ -78,7 +78,7 @@ def test_code_scores_say_which_isolation_ran_them(pool):
     from engines.sandbox.isolation import isolation
 
     if not isolation().fs_view:
-        pytest.skip("no bubblewrap on this host: the code reward refuses (test_sandbox_escape covers that)")
+        pytest.skip("no bubblewrap on this host: the code reward refuses (test_runner_escape covers that)")
     code = "```python\ndef f(x):\n    return x + 1\n```"
     items = [("code", code, {"tests": ["assert f(1) == 2"]}), ("arithmetic", "7", {"answer": "7"})]
     saved = (POLICY.allow_weaker, POLICY.max_disk_mb, POLICY.max_files)
