@@ -1,13 +1,13 @@
 """The `reward` section of the config, beside the code it configures (as engines/algorithms/config.py
 is for `algorithm`): the routes and timeout of the reward functions, the model judge, the reward
 model and the code sandbox. configs/schema.py embeds `RewardConfig`; the reward workers are handed it
-whole (with the reward role's device and dtype, `RewardPlacement`) and read its typed fields, never a
-dict by string key.
+whole (with the reward role's device and dtype, engines/rewards/models.py `RewardPlacement`) and read its
+typed fields, never a dict by string key. The scoring path imports this module for annotations only, so it
+runs where pydantic is not installed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,15 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-@dataclass(frozen=True)
-class RewardPlacement:
-    """Where a reward worker's models live: the reward role's device and dtype (infra/resources.py
-    `role_devices`, placement.reward), as the strings engines/models/devices.py reads."""
-
-    device: str = "cpu"
-    dtype: str = "float32"
 
 
 class JudgeConfig(_Section):

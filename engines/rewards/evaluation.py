@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import typing
 
 import pandas as pd
 
 from engines.generation.engine import GenerationEngine, SamplingParams
 from engines.models.modeling import encode_prompts
-from engines.rewards.config import RewardConfig, RewardPlacement
+from engines.rewards.models import RewardPlacement
+
+if typing.TYPE_CHECKING:  # annotations only: evaluation runs without pydantic (engines/rewards/config.py)
+    from engines.rewards.config import RewardConfig
 
 CORRECT_AT = 1.0  # a row is correct when its reward reaches this (training's reward/accuracy)
 
@@ -56,7 +60,11 @@ def score_responses(results: pd.DataFrame, *, reward: RewardConfig | None = None
     items = [(row["domain"], row["response"], {k: row[k] for k in keep}) for _, row in results.iterrows()]
     pool = cf.ThreadPoolExecutor(max_workers=4)
     try:
-        scored, _hung = score_samples(items, reward or RewardConfig(), pool, ModelRewards(pool), placement)
+        if reward is None:
+            from engines.rewards.config import RewardConfig
+
+            reward = RewardConfig()
+        scored, _hung = score_samples(items, reward, pool, ModelRewards(pool), placement)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a hung reward call leaves its thread behind
     out = results.copy()

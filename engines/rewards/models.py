@@ -18,12 +18,27 @@ chunk, each with its own timeout. Failures are isolated the way `score_isolated`
 from __future__ import annotations
 
 import concurrent.futures as cf
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from engines.rewards.config import JudgeConfig, RewardModelConfig, RewardPlacement
+if typing.TYPE_CHECKING:  # annotations only: the scoring path runs without pydantic (engines/rewards/config.py)
+    from engines.rewards.config import JudgeConfig, RewardModelConfig
+
+    ModelRewardConfig = JudgeConfig | RewardModelConfig
 
 MODEL_REWARDS = ("judge", "reward_model")
-ModelRewardConfig = JudgeConfig | RewardModelConfig
+
+
+
+@dataclass(frozen=True)
+class RewardPlacement:
+    """Where a reward worker's models live: the reward role's device and dtype (infra/resources.py
+    `role_devices`, placement.reward), as the strings engines/models/devices.py reads."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
 
 # (responses, samples) -> [(score, None) or (0.0, error)], one per response
 BatchScorer = Callable[[list[str], list[dict]], list[tuple[float, str | None]]]
@@ -69,7 +84,7 @@ def build_reward_model(cfg: RewardModelConfig, placement: RewardPlacement) -> Ba
     return score
 
 
-BUILDERS: dict[str, Callable[[ModelRewardConfig, RewardPlacement], BatchScorer]] = {"judge": build_judge, "reward_model": build_reward_model}
+BUILDERS: dict[str, Callable[["ModelRewardConfig", RewardPlacement], BatchScorer]] = {"judge": build_judge, "reward_model": build_reward_model}
 
 
 class ModelRewards:

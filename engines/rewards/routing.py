@@ -20,11 +20,14 @@ function (`get_reward`: registered name or "package.module:function"), each call
 from __future__ import annotations
 
 import concurrent.futures as cf
+import typing
 
 from engines.rewards import get_reward, score_isolated
-from engines.rewards.config import RewardConfig, RewardPlacement
-from engines.rewards.models import MODEL_REWARDS, ModelRewards
+from engines.rewards.models import MODEL_REWARDS, ModelRewards, RewardPlacement
 from engines.sandbox.runner import configure
+
+if typing.TYPE_CHECKING:  # annotations only: scoring runs without pydantic (engines/rewards/config.py)
+    from engines.rewards.config import RewardConfig
 
 # (domain, response, sample) -> one scored item; sample holds prompt, answer, tests, metadata
 Item = tuple[str, str, dict]

@@ -20,7 +20,7 @@ import ray
 
 from engines.data.datasets import decode_nested, encode_nested
 from engines.generation.engine import SamplingParams
-from engines.rewards.config import RewardPlacement
+from engines.rewards.models import RewardPlacement
 from infra.ray_session import actor_pool, kill_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
 from tasks.run.common import config_of, console

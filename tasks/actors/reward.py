@@ -8,7 +8,8 @@ import typing
 import ray
 
 if typing.TYPE_CHECKING:  # annotations only (the actor imports at run time, inside its methods)
-    from engines.rewards.config import RewardConfig, RewardPlacement
+    from engines.rewards.config import RewardConfig
+    from engines.rewards.models import RewardPlacement
 
 # The engines are imported inside the actor's methods: a driver importing this module (to create the
 # actor) loads none of them.

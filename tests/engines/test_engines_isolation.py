@@ -18,7 +18,9 @@ ORCHESTRATION = ("flytekit", "flytekitplugins", "ray", "mlflow")
 NEEDS_PYDANTIC = {"engines.data.datasets": "validates user prompt tables with pydantic (PromptRow)",
                   "engines.data.sources": "builds its tables through engines.data.datasets",
                   "engines.algorithms.config": "the algorithm config section is a pydantic model (the update path "
-                                               "imports it for annotations only)"}
+                                               "imports it for annotations only)",
+                  "engines.rewards.config": "the reward config section is a pydantic model (the scoring path imports "
+                                            "it for annotations only)"}
 
 _WALK = r"""
 import importlib, json, pkgutil, sys
