@@ -81,7 +81,7 @@ def rss_mb():
 model, tok = build_tiny_policy(hidden_size=512, num_layers=4, num_heads=8, max_positions=1024, seed=0)
 path = save_policy(model, tok, os.path.join(sys.argv[1], "model"))
 del model
-cfg = load_config(sys.argv[2], [f"model.path={path}", "model.warm_start.steps=6", "model.warm_start.batch_size=16",
+cfg = load_config(sys.argv[2], [f"model.path={path}", "model.warm_start.steps=2", "model.warm_start.batch_size=16",
                                 "env.bootstrap_episodes=40", "run.torch_threads=1"])
 before = rss_mb()
 build_base_policy(model_spec_of(cfg, os.path.join(sys.argv[1], "store")))
@@ -92,8 +92,9 @@ print(before, rss_mb())
 def test_warm_start_hands_its_memory_back_to_the_driver(tmp_path):
     """A local run's driver does the warm start in its own process and then drives the whole loop: the
     fine-tune's model, AdamW state and activations must not stay in its heap (a SmolLM2 warm start left
-    the driver at 9 GB RSS through the run). A 512-wide 4-layer model, 6 steps of 16 episodes: ~1.5 GB
-    stayed without the hand-back (measured 633 -> 2,132 MB; with it 633 -> 614 MB)."""
+    the driver at 9 GB RSS through the run). A 512-wide 4-layer model, 2 steps of 16 episodes: ~1.2 GB
+    stayed without the hand-back (measured 633 -> 1,871 MB; with it 633 -> 604 MB; 6 steps gave 633 ->
+    2,132 and 633 -> 614 MB at three times the test's time)."""
     import os
     import subprocess
     import sys
