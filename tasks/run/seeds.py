@@ -21,6 +21,7 @@ EVAL_SAMPLING_OFFSET = 7_777_777  # evaluation samples (eval.samples > 1) never 
 
 # environment seeds (agentic runs): bootstrap demonstrations, the fixed eval set and training never overlap
 BOOTSTRAP_ENV_SEED0, EVAL_ENV_SEED0, TRAIN_ENV_SEED0 = 20_000_000, 10_000_000, 0
+RESERVED_ENV_SEEDS = 1_000_000  # the eval and bootstrap ranges' size (env.eval_episodes, env.bootstrap_episodes at most)
 
 
 def rollout_seed(run_seed: int, iteration: int) -> int:
@@ -73,3 +74,19 @@ def eval_split_seed(source_seed: int) -> int:
 def train_env_seed0(run_seed: int, iteration: int, per_iteration: int) -> int:
     """The first environment seed of an agentic iteration's block of `per_iteration` disjoint seeds."""
     return TRAIN_ENV_SEED0 + run_seed * RUN_STRIDE + (iteration - 1) * per_iteration
+
+
+def train_env_seeds(run_seed: int, iteration: int, per_iteration: int) -> list[int]:
+    """The environment seeds an agentic iteration may play: its block from `train_env_seed0`, with any
+    seed that falls in the held-out evaluation or the bootstrap range moved past that range. Run seeds
+    10 and 20 start inside them (10 * 1_000_003 = 10_000_030): without the move such a run trained on
+    the very seeds its evaluation calls held out. Other run seeds' blocks are unchanged."""
+    base = train_env_seed0(run_seed, iteration, per_iteration)
+    return [_past_reserved(base + i) for i in range(per_iteration)]
+
+
+def _past_reserved(seed: int) -> int:
+    for start in (EVAL_ENV_SEED0, BOOTSTRAP_ENV_SEED0):
+        if start <= seed < start + RESERVED_ENV_SEEDS:
+            return seed + RESERVED_ENV_SEEDS
+    return seed

@@ -31,7 +31,7 @@ from tasks.run.common import check_columns, config_of, stage
 from tasks.actors.pools import generation_pool, rollout_sampling
 from tasks.loop.streams import ActorStreams
 from tasks.run.types import PolicyRef, RunSpec
-from tasks.run.seeds import EVAL_ENV_SEED0, rollout_seed, train_env_seed0
+from tasks.run.seeds import EVAL_ENV_SEED0, rollout_seed, train_env_seeds
 
 EVAL_SAMPLING_OFFSET = 99_991  # sampled evaluation: the same sampling seed for every checkpoint
 
@@ -153,11 +153,10 @@ def rollout_seeds(cfg, iteration: int) -> tuple[list[int], int]:
     """(the training seeds iteration `iteration` may play, the manager's `spare`): B = prompts_per_iteration
     seeds; with algorithm.filter_groups B x max_generation_rounds (the rest refill rejected groups), with
     env.extra_groups k B + k (k groups in flight beyond those still needed). Iterations take consecutive,
-    disjoint blocks from run.seed's start."""
+    disjoint blocks from run.seed's start, never a held-out or bootstrap seed (tasks/run/seeds.py)."""
     B, extra = cfg.rollout.prompts_per_iteration, cfg.env.extra_groups
     n = B * cfg.algorithm.max_generation_rounds if cfg.algorithm.filter_groups else B + extra
-    base = train_env_seed0(cfg.run.seed, iteration, n)
-    return [base + i for i in range(n)], extra
+    return train_env_seeds(cfg.run.seed, iteration, n), extra
 
 
 @task(task_config=ray_job("rollout"), **task_resources("rollout"))
