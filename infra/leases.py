@@ -19,6 +19,7 @@ and older ones are deleted by whoever takes over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -98,17 +99,18 @@ def create_exclusive(fs, path: str, data: bytes, local: bool) -> bool:
     if local:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.link(tmp, path)  # fails if `path` exists, on every POSIX filesystem (O_EXCL has no content)
             return True
         except FileExistsError:
             return False
-        finally:
-            os.unlink(tmp)
+        finally:  # also after a failed write (a full disk): no temp file left behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     try:
         fs.pipe_file(path, data, mode="create")  # PUT with If-None-Match: *
     except OSError as e:
@@ -119,12 +121,20 @@ def create_exclusive(fs, path: str, data: bytes, local: bool) -> bool:
 
 
 def overwrite(fs, path: str, data: bytes, local: bool) -> None:
-    """Replace object `path` with `data` atomically (temp file + rename; one PUT on S3)."""
+    """Replace object `path` with `data` atomically (temp file, fsynced, renamed over it; one PUT on S3). A
+    failed local write leaves `path` as it was and no temp file behind."""
     if local:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     else:
         fs.pipe_file(path, data)
 

@@ -20,7 +20,10 @@ versions, the producing task and Flyte execution id. Readers trust only a manife
   when it is taken (`RunLocked`);
 - verified reads: `verify` re-hashes a published version in place, `verify_dir` a version's folder
   on a local disk, `check_fetched` a fetched copy (against the stamp `fetch` wrote), and a corrupt
-  version's error names the newest earlier version that verifies (`recovery_hint`).
+  version's error names the newest earlier version that verifies (`recovery_hint`);
+- a write the disk or bucket refuses (full, over quota, read-only, not permitted) raises
+  `StoreRefused`, naming the store, the path, the setting `run.store_uri` and the free space; a
+  publish that ran out of room deletes its partial files.
 
 Roots: a local folder (`/data/store`, `file:///data/store`) or `s3://bucket/prefix` through s3fs.
 S3 endpoint and credentials come from `storage_options` (`endpoint_url`, `key`, `secret`) or the
@@ -33,6 +36,7 @@ See docs/storage.md.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hashlib
 import json
@@ -45,7 +49,7 @@ from typing import Any, Callable, TypeVar
 
 import fsspec
 
-from infra import leases
+from infra import leases, refusals
 from infra.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,16 @@ class ArtifactExists(StoreError):
 
 class StoreUnavailable(StoreError):
     """The object store did not answer after all retries."""
+
+
+class StoreRefused(StoreError, OSError):
+    """The disk or bucket refused a write: full (ENOSPC), over quota (EDQUOT), read-only (EROFS) or
+    not permitted (EACCES, EPERM). The message names the store, the operation, the path and what to
+    do; `errno` is the original error's (chained as the cause), `path` the path it names."""
+
+    def __init__(self, message: str, code: int, path: str | None):
+        super().__init__(message)
+        self.errno, self.path = code, path
 
 
 class RunLocked(StoreError):
@@ -217,6 +231,8 @@ class ArtifactStore:
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
+                if refusals.refused_errno(e) is not None and not isinstance(e, StoreRefused):
+                    raise self._refused(what, e) from e
                 if not _is_transient(e):
                     raise
                 if attempt == self.retries:
@@ -229,6 +245,25 @@ class ArtifactStore:
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
+    def _refused(self, what: str, e: OSError) -> StoreRefused:
+        """`e` (a refused write, infra/refusals.py) as an error naming this store, the operation and the
+        path, and what to do: on the store's side, point `run.store_uri` elsewhere; a local folder
+        outside the store (a fetch's destination) is this machine's disk, not the store's."""
+        code, path = refusals.refused_errno(e), refusals.refused_path(e)
+        at, remedy = (f" at {path}" if path else ""), refusals.REFUSED[code][1]
+        outside = bool(path) and os.path.isabs(path) and not (self._local and (path + "/").startswith(self._root_path + "/"))
+        if outside:
+            return StoreRefused(f"{what} failed{at}, a folder on this machine outside the artifact store {self.root}: "
+                                f"{refusals.cause(code, path)}; {remedy} (a run's fetch cache is $FLYROLL_CACHE_DIR, "
+                                "default ~/.cache/flyroll)", code, path)
+        if not self._local and code in (errno.EACCES, errno.EPERM):
+            remedy = "give its credentials (storage_options, AWS_ACCESS_KEY_ID) write access to that bucket and prefix"
+        return StoreRefused(
+            f"artifact store {self.root}: {what} failed{at}: {refusals.cause(code, path if self._local else None)}; "
+            f"{remedy}, or point the setting run.store_uri (or FLYROLL_STORE_URI) at another store. Versions already "
+            f"published there are unchanged: a version exists only once its {MANIFEST_NAME} is written, and the next "
+            "attempt publishes an interrupted one again", code, path)
+
     def check_writable(self) -> None:
         """Write and delete a small probe object under the root (the folder is created if need be), so a
         read-only or unreachable store fails at the start of a run, not at its first publish. Raises
@@ -237,6 +272,9 @@ class ArtifactStore:
         try:
             self._retry(f"write {self.root}", self.fs.pipe_file, probe, b"flyroll write probe")
             self._retry(f"delete {self.root}", self.fs.rm_file, probe)
+        except StoreRefused as e:  # already names the cause and what to do
+            raise StoreRefused(f"artifact store {self.root} is not writable: {str(e).removeprefix(f'artifact store {self.root}: ')}",
+                               e.errno, e.path) from e.__cause__
         except StoreUnavailable:
             raise
         except Exception as e:  # noqa: BLE001 -- OSError locally; s3fs raises PermissionError and others
@@ -465,8 +503,10 @@ class ArtifactStore:
                 if existing is not None:
                     return existing
                 self._write_manifest(key, m.to_json().encode())  # over an unreadable one (no version): we hold the lease
-        except BaseException:
+        except BaseException as e:
             failed = True
+            if isinstance(e, StoreRefused) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._take_back(key, list(files))  # the partial files would keep the disk full
             try:  # the store may be what failed: one attempt, and the error to raise is the one that stopped the publish
                 lease._retry = lambda what, fn, *a, **k: fn(*a, **k)
                 lease.release()
@@ -478,6 +518,19 @@ class ArtifactStore:
                 lease.release()
         log.info("store: published %s (%s, %d files)", self.uri(key), kind, len(entries))
         return m
+
+    def _take_back(self, key: str, rels: list[str]) -> None:
+        """Delete the files a publish of `key` that ran out of room uploaded (no version: it holds the
+        key's lease and no manifest was committed), one attempt each, so the failed publish does not
+        leave the disk full."""
+        try:
+            if self.exists(key):
+                return
+            for rel in rels:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self._path(key, rel))
+        except Exception as e:  # noqa: BLE001 -- the error to raise is the refusal; what is left is debris the next publish overwrites
+            log.warning("store: publish %s ran out of room; its partial files could not all be deleted (%s)", self.uri(key), e)
 
     def _published(self, key: str, entries: dict[str, FileEntry], kind: str, other_writer: bool = False) -> Manifest | None:
         """The committed manifest of `key` when it holds exactly `entries` (a no-op publish), None when
@@ -571,12 +624,7 @@ class ArtifactStore:
     def _write_manifest(self, key: str, data: bytes) -> None:
         final = self._path(key, MANIFEST_NAME)
         if self._local:  # rename is atomic on one filesystem: readers see no manifest or all of it
-            tmp = f"{final}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            self._retry(f"write {self.uri(key)}/{MANIFEST_NAME}", leases.overwrite, None, final, data, True)
         else:  # one PUT of a small object is atomic on S3
             self._retry(f"write {self.uri(key)}/{MANIFEST_NAME}", self.fs.pipe_file, final, data)
 

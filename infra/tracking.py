@@ -15,6 +15,9 @@ owns FAILED when it exits before they end (an exception) and KILLED on SIGTERM; 
 owner was SIGKILLed -- still RUNNING, its owner's pid gone from this host -- is marked KILLED, with
 a tag saying why, by the next run that starts in its experiment (`end_orphaned_runs`). A resumed
 run or iteration sets its run back to RUNNING.
+
+A SQLite store that is read-only, corrupt, locked or full fails every call with `TrackingStoreError`
+naming the file and what to do (infra/tracking_store.py; `prepare_run` checks it before the run starts).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import signal
 import socket
 import threading
 import time
+
+from infra.tracking_store import CheckedClient, checked_call
+
 
 def resolve_tracking_uri(configured: str | None, output_dir: str) -> str:
     if configured:
@@ -156,10 +162,12 @@ def _hook_exit() -> None:
 
 
 def client(tracking_uri: str):
+    """An `MlflowClient` of `tracking_uri` whose calls raise `TrackingStoreError` (naming the file, what
+    is wrong and what to do) where a SQLite store fails as read-only, corrupt, locked or full."""
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    return CheckedClient(checked_call(tracking_uri, "", MlflowClient, tracking_uri=tracking_uri), tracking_uri)
 
 
 # MLflow 3's UI opens an experiment on its GenAI overview (traces, evaluations) unless told it is a

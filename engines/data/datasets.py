@@ -9,8 +9,11 @@ or tests, unless `metadata.reference_free` is true (a domain scored without a re
 checks read their spec from metadata; a judge or reward model needs only the prompt).
 
 `load_prompts` never fails on a bad row: a line that is not JSON, lacks a field or has a wrong
-type is skipped and reported as `RowError(line, reason)`; only a missing file, an empty file or a
-file without a single good row raise. Columns besides the schema's are kept in `metadata`.
+type is skipped and reported as `RowError(line, reason)`; a line over `max_line_bytes` (config
+`data.max_line_bytes`) is dropped unread and counted (`LoadResult.long_lines`; the file is streamed,
+engines/data/text_lines.py, so a huge line costs about that limit in memory); only a missing file, an
+empty file, a file that is not UTF-8 or a file without a single good row raise. Columns besides the
+schema's are kept in `metadata`.
 
 Parquet cannot hold a column whose cells are dicts of different keys, or a mix of str and list,
 so `write_prompts` stores `metadata` and `tests` as JSON text and marks the file; `load_prompts`
@@ -21,15 +24,20 @@ Which rows go where (the eval split by prompt hash, each batch's domain mix) is 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
 import json
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
+
+from engines.data.text_lines import DEFAULT_MAX_LINE_BYTES, LongLines, read_lines
 
 
 COLUMNS = ("prompt", "domain", "answer", "tests", "metadata")
@@ -91,15 +99,16 @@ class LoadResult:
     errors: list[RowError] = field(default_factory=list)
     uri: str = ""
     notes: list[str] = field(default_factory=list)   # what was fixed while reading (a byte-order mark)
+    long_lines: LongLines | None = None       # lines over max_line_bytes, dropped unread (JSONL and CSV files)
 
     @property
     def rows_read(self) -> int:
-        return len(self.table) + len(self.errors)
+        return len(self.table) + len(self.errors) + (self.long_lines.count if self.long_lines else 0)
 
     def summary(self) -> str:
         head = "; ".join(f"line {e.line}: {e.reason}" for e in self.errors[:5])
         more = f" (+{len(self.errors) - 5} more)" if len(self.errors) > 5 else ""
-        notes = "".join(f"; {n}" for n in self.notes)
+        notes = "".join(f"; {n}" for n in [self.long_lines.summary() if self.long_lines else "", *self.notes] if n)
         return (f"{self.uri}: {len(self.table)} rows kept, {len(self.errors)} skipped" + (f" [{head}{more}]" if head else "")
                 + notes)
 
@@ -129,63 +138,55 @@ def validate_rows(rows) -> tuple[list[dict], list[RowError]]:
     return good, errors
 
 
-_BOM = b"\xef\xbb\xbf"
-
-
-def decode_text(raw: bytes, uri: str) -> tuple[str, list[str]]:
-    """(the text of a UTF-8 file, notes). A leading UTF-8 byte-order mark is removed and noted (left
-    in, it made the first line invalid JSON). A byte that is not UTF-8 raises ValueError naming the
-    file, the line and the byte offset: replacing it would change a prompt or answer silently."""
-    notes = []
-    if raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-        notes.append("a UTF-8 byte-order mark opens the file (removed)")
-    try:
-        return raw.decode("utf-8"), notes
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        offset = e.start + (len(_BOM) if notes else 0)
-        gz = " of the decompressed text" if uri.lower().endswith(".gz") else ""
-        raise ValueError(f"prompt file {uri!r}: line {line} is not UTF-8: byte {raw[e.start:e.start + 1]!r} at byte "
-                         f"offset {offset}{gz} (column {column}) ({e.reason}); expected UTF-8 text: re-encode the file "
-                         "(e.g. iconv -f latin1 -t utf-8)") from None
-
-
-def _jsonl_rows(text: str):
-    for i, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+def _jsonl_rows(lines: Iterable[tuple[int, str]]):
+    for i, line in lines:
         try:
             yield i, json.loads(line)
         except json.JSONDecodeError as e:
             yield i, RowError(i, f"not valid JSON ({e.msg} at column {e.colno})")
+        except RecursionError:
+            yield i, RowError(i, "not valid JSON (nested too deeply)")
 
 
-def _csv_rows(text: str):
-    """Rows of a CSV file with a header line (prompt, domain, answer, tests, metadata, extras). Cells
-    stay text (an answer `042` is kept as written); an empty cell is an absent field; a `metadata`
-    cell, and a `tests` cell that is a JSON list, are JSON. Line numbers are those of the file (a
-    quoted cell may span lines)."""
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    if not reader.fieldnames or "prompt" not in reader.fieldnames:
-        raise ValueError(f"expected a header line naming the columns (prompt, domain, answer or tests); got {reader.fieldnames}")
-    line = 1
-    for record in reader:
-        start, line = line + 1, reader.line_num
-        if None in record:
-            yield start, RowError(start, f"{len(record[None])} cell(s) more than the header's {len(reader.fieldnames)} columns")
-            continue
-        row = {k: v for k, v in record.items() if v not in (None, "")}
+def _csv_rows(records: Iterable[tuple[int, str]], uri: str, max_bytes: int):
+    """Rows of a CSV file with a header line (prompt, domain, answer, tests, metadata, extras), from its
+    records (a quoted cell may span lines; the line numbers are those of the file where a record
+    starts). Cells stay text (an answer `042` is kept as written); an empty cell is an absent field; a
+    `metadata` cell, and a `tests` cell that is a JSON list, are JSON."""
+    # a record is at most max_bytes (engines/data/text_lines.py), so no cell can pass this; the csv module's
+    # own default (131,072 characters) would refuse a long cell of a record within the limit
+    csv.field_size_limit(max(csv.field_size_limit(), max_bytes))
+    header: list[str] | None = None
+    for start, text in records:
         try:
-            if isinstance(row.get("metadata"), str):
-                row["metadata"] = json.loads(row["metadata"])
-            if isinstance(row.get("tests"), str) and row["tests"].lstrip().startswith("["):
-                row["tests"] = json.loads(row["tests"])
-        except json.JSONDecodeError as e:
-            yield start, RowError(start, f"metadata/tests cell is not valid JSON ({e.msg})")
+            rows = list(csv.reader(io.StringIO(text, newline="")))   # one row (a lone "\r" ends a row too)
+        except csv.Error as e:
+            if header is None:
+                raise ValueError(f"prompt file {uri!r}: the header line is not valid CSV ({e})") from None
+            yield start, RowError(start, f"not valid CSV ({e})")
             continue
-        yield start, row
+        for cells in rows:
+            if not cells:
+                continue
+            if header is None:
+                if "prompt" not in cells:
+                    raise ValueError(f"prompt file {uri!r}: expected a header line naming the columns (prompt, domain, "
+                                     f"answer or tests); got {cells}")
+                header = cells
+                continue
+            if len(cells) > len(header):
+                yield start, RowError(start, f"{len(cells) - len(header)} cell(s) more than the header's {len(header)} columns")
+                continue
+            row = {k: v for k, v in zip(header, cells) if v != ""}
+            try:
+                if isinstance(row.get("metadata"), str):
+                    row["metadata"] = json.loads(row["metadata"])
+                if isinstance(row.get("tests"), str) and row["tests"].lstrip().startswith("["):
+                    row["tests"] = json.loads(row["tests"])
+            except json.JSONDecodeError as e:
+                yield start, RowError(start, f"metadata/tests cell is not valid JSON ({e.msg})")
+                continue
+            yield start, row
 
 
 def _plain(v):
@@ -234,36 +235,64 @@ def _format(uri: str) -> str:
     raise ValueError(f"prompt file {uri!r}: unknown format; expected a .jsonl (or .jsonl.gz), .csv (or .csv.gz) or .parquet file")
 
 
-def _read_bytes(uri: str, storage_options: dict | None) -> bytes:
+@contextlib.contextmanager
+def _open(uri: str, storage_options: dict | None):
+    """The file at `uri` as a binary stream (a `.gz` file decompressed while it is read)."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if not fs.exists(path):
         raise FileNotFoundError(f"prompt file {uri!r} does not exist")
     with fs.open(path, "rb") as f:
-        raw = f.read()
-    if uri.lower().endswith(".gz"):
-        raw = gzip.decompress(raw)
-    return raw
+        if uri.lower().endswith(".gz"):
+            with gzip.GzipFile(fileobj=f, mode="rb") as g:
+                yield g
+        else:
+            yield f
 
 
-def load_prompts(uri: str, *, storage_options: dict | None = None, default_domain: str | None = None) -> LoadResult:
+def _nonblank(lines: Iterable[tuple[int, str]], seen: list[int]):
+    """The lines that hold text (a blank line is no row); counted in seen[0]."""
+    for i, text in lines:
+        if text.strip():
+            seen[0] += 1
+            yield i, text
+
+
+def _text_rows(uri: str, fmt: str, storage_options: dict | None, max_line_bytes: int,
+               long: LongLines, notes: list[str]) -> list:
+    """(line, row or RowError) of a JSONL or CSV file, streamed: no line over `max_line_bytes` is held."""
+    seen = [0]
+    with _open(uri, storage_options) as f:
+        lines = _nonblank(read_lines(f, uri, max_line_bytes, long, notes, csv_records=fmt == "csv"), seen)
+        try:
+            rows = list(_jsonl_rows(lines) if fmt == "jsonl" else _csv_rows(lines, uri, max_line_bytes))
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ValueError(f"prompt file {uri!r} is not a readable gzip file ({type(e).__name__}: {e})") from None
+    if not seen[0] and not long.count:
+        raise ValueError(f"prompt file {uri!r} is empty; expected one JSON object per line (prompt, domain, answer or tests)")
+    return rows
+
+
+def load_prompts(uri: str, *, storage_options: dict | None = None, default_domain: str | None = None,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> LoadResult:
     """The good rows of a JSONL, CSV or parquet prompt file (local path or fsspec URL, e.g. `s3://`),
     and a RowError for each bad one. A row without a `domain` takes `default_domain` (a source's
-    `domain`), when given. Raises FileNotFoundError (missing file), ValueError (unknown format, empty
-    file, no good row)."""
+    `domain`), when given. A JSONL line (CSV record) over `max_line_bytes` bytes is dropped unread
+    and counted in `long_lines` (config `data.max_line_bytes`). Raises FileNotFoundError (missing
+    file), ValueError (unknown format, empty file, not UTF-8, no good row)."""
+    if max_line_bytes < 1:
+        raise ValueError(f"data.max_line_bytes={max_line_bytes}; expected a positive number of bytes")
     fmt = _format(uri)
-    raw = _read_bytes(uri, storage_options)
-    if not raw.strip():
-        raise ValueError(f"prompt file {uri!r} is empty; expected one JSON object per line (prompt, domain, answer or tests)")
     notes: list[str] = []
+    long = LongLines(max_line_bytes)
     if fmt in ("jsonl", "csv"):
-        text, notes = decode_text(raw, uri)
-        try:
-            rows = list(_jsonl_rows(text) if fmt == "jsonl" else _csv_rows(text))
-        except ValueError as e:
-            raise ValueError(f"prompt file {uri!r}: {e}") from None
+        rows = _text_rows(uri, fmt, storage_options, max_line_bytes, long, notes)
     else:
+        with _open(uri, storage_options) as f:
+            raw = f.read()
+        if not raw.strip():
+            raise ValueError(f"prompt file {uri!r} is empty; expected a parquet file")
         try:
             rows = list(_parquet_rows(raw))
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a corrupt file
@@ -271,7 +300,7 @@ def load_prompts(uri: str, *, storage_options: dict | None = None, default_domai
     if default_domain:
         rows = [(i, {**r, "domain": r.get("domain") or default_domain} if isinstance(r, dict) else r) for i, r in rows]
     good, errors = validate_rows(rows)
-    result = LoadResult(table_of(good), errors, uri, notes)
+    result = LoadResult(table_of(good), errors, uri, notes, long if fmt != "parquet" else None)
     if not good:
         raise ValueError(f"prompt file {uri!r} has no valid row ({len(errors)} rejected): " + result.summary())
     return result

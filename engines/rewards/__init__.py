@@ -6,18 +6,14 @@ map to functions by name in `REWARDS`; add one with `@register_reward("name")` i
 Two names route to a model instead of a function: `judge` and `reward_model`. The reward worker
 scores those in batches with a model it builds once (`engines/rewards/models.py`).
 
-`score_isolated` runs one call with a timeout: a raise or a timeout costs only that sample
-(reward 0.0, the error kept in `reward_error`). A call that hangs leaves its thread behind, so the
-caller (the reward-worker actor) reports `tainted=True` and is replaced after its batch; a call
-that kills the whole process is handled one level up, where the task re-scores that worker's
-samples one by one in fresh workers.
+Every call runs in a worker process (engines/rewards/calls.py `RewardCalls`): a raise, a value that
+is not a finite number, a timeout (the process is killed) or a crash costs only that sample (reward
+0.0, the error kept in `reward_error`), and a batch never takes longer than its budget.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import importlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,24 +67,3 @@ class RewardResult:
     error: str | None      # None, or what went wrong ("timeout after 5.0s", "ValueError: ...")
     seconds: float
     isolation: str | None = None   # the sandbox mode that ran the code reward's program; None for other rewards
-
-
-def score_isolated(fn: RewardFn, response: str, sample: dict, timeout_s: float, pool: cf.ThreadPoolExecutor) -> tuple[RewardResult, bool]:
-    """(result, hung): run `fn` in `pool` with a timeout; never raises, except `SandboxUnavailable`
-    (model code must not run here at all: the whole scoring fails with the reason and the fix)."""
-    from engines.sandbox.isolation import SandboxUnavailable
-
-    t0 = time.perf_counter()
-    fut = pool.submit(fn, response, sample)
-    try:
-        raw = fut.result(timeout=timeout_s)
-        value = float(raw)
-        if value != value:  # NaN
-            raise ValueError("reward is NaN")
-        return RewardResult(value, None, time.perf_counter() - t0, getattr(raw, "isolation", None)), False
-    except SandboxUnavailable:
-        raise
-    except cf.TimeoutError:
-        return RewardResult(0.0, f"timeout after {timeout_s}s", time.perf_counter() - t0), True
-    except Exception as e:  # noqa: BLE001 -- any reward bug costs only this sample
-        return RewardResult(0.0, f"{type(e).__name__}: {e}"[:500], time.perf_counter() - t0), False

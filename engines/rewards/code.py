@@ -7,7 +7,9 @@
 sandbox refused (verdict "forbidden"), whatever it passed.
 
 metadata keys read: partial_credit (bool), entry_point (HumanEval: appends `check(entry_point)`
-when the tests define `check` but never call it), timeout_s (default 5), memory_mb (default 512).
+when the tests define `check` but never call it), timeout_s (default 5; in a reward worker process at
+most the call's time left minus 1 s, `call_time_left`, so a program that loops scores 0 instead of
+timing out the reward call), memory_mb (default 512).
 The isolation (bubblewrap required unless a weaker mode is allowed by name) and the work dir's
 budget come from the process's sandbox policy (`engines.sandbox.runner.configure`, config
 `reward.sandbox`); the score carries the mode that ran it (`CodeScore.isolation`).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from engines.rewards.calls import call_time_left
 from engines.sandbox.runner import run_program
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -24,7 +27,7 @@ _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.I
 
 class CodeScore(float):
     """The code reward's score, a float that also says which sandbox mode ran the program
-    (`isolation`; engines/rewards score_isolated keeps it for the reward/<domain>/isolation_* metrics)."""
+    (`isolation`; engines/rewards/calls.py keeps it for the reward/<domain>/isolation_* metrics)."""
 
     isolation: str = ""
 
@@ -59,8 +62,11 @@ def code_reward(response: str, sample: dict) -> float:
     if isinstance(tests, str) and entry and re.search(r"^def check\(", tests, re.M) \
             and not re.search(r"^check\(", tests, re.M):
         tests = f"{tests}\n\ncheck({entry})\n"
-    v = run_program(extract_program(response), tests=tests,
-                    timeout_s=float(meta.get("timeout_s", 5.0)), memory_mb=int(meta.get("memory_mb", 512)))
+    timeout_s = float(meta.get("timeout_s", 5.0))
+    left = call_time_left()
+    if left is not None:   # the program's limit ends inside the reward call's: a program that loops scores 0, not an error
+        timeout_s = min(timeout_s, max(0.1, left - 1.0))
+    v = run_program(extract_program(response), tests=tests, timeout_s=timeout_s, memory_mb=int(meta.get("memory_mb", 512)))
     if v.verdict == "passed":
         return CodeScore(1.0, v.isolation)
     if v.verdict != "forbidden" and meta.get("partial_credit") and v.tests_total:

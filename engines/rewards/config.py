@@ -71,8 +71,20 @@ class SandboxConfig(_Section):
 
 class RewardConfig(_Section):
     functions: dict[str, str] = Field(default_factory=dict, description="Route a domain to a reward function: {domain: registered name or 'package.module:function'}. Unlisted domains use the function registered under the domain's own name. A function is `fn(response: str, sample: dict) -> float`, so adding one is one file. Two names route to a model instead, set up below: 'judge' (reward.judge) and 'reward_model' (reward.reward_model).")
-    timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-sample reward timeout. A reward that raises or runs past it scores 0 and is flagged in reward_error. (The model rewards have their own per-batch timeouts.)")
+    timeout_s: float = Field(5.0, gt=0, le=3600, description="Per-call reward timeout. Every reward-function call runs in a worker process (engines/rewards/calls.py); past this its process is killed, the sample scores 0 and reward_error names the function. A reward that raises does the same. (The model rewards have their own per-batch timeouts.)")
+    budget_s: float = Field(600.0, gt=0, le=86_400, description="Wall-clock budget of one batch of reward-function calls (one reward worker's share of a scoring call): past it the calls still running are killed and those not started are not run, each scoring 0 with an error naming reward.budget_s. Scoring a batch never takes longer.")
+    processes: int = Field(2, ge=1, le=256, description="Worker processes per reward worker that run reward-function calls in parallel (each call in one process, so a hang can be ended by killing it).")
+    max_abs: float = Field(1e6, gt=0, description="A reward must be a finite number with |reward| <= max_abs; inf, NaN, a larger value, a string or None is the sample's error, not a score (1e30 would overflow the advantage's statistics).")
+    bounds: dict[str, tuple[float, float]] = Field(default_factory=dict, description="Declared reward range per domain, {domain: [low, high]} (inclusive): a reward outside it is the sample's error. Unlisted domains are bounded by max_abs only.")
+    max_error_rate: float = Field(0.5, ge=0, le=1, description="A domain whose reward fails (raises, times out, returns a non-number, crashes its process) on more than this share of a scored batch's rows fails the run, naming the reward function, the domain and one example error -- in training's scoring and in evaluation. 1 = never fail on reward errors (they are still counted in reward/<domain>/errors).")
     num_workers: int = Field(1, ge=1, le=256, description="Reward worker actors. Each one loads its own judge / reward model once, so more workers = more memory.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model judge (LLM-as-a-judge, MT-Bench arXiv 2306.05685) for domains routed to 'judge': a rubric prompt, greedy decoding, the rating parsed to [0, 1]; an unparsable verdict scores 0 and is flagged.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward model (InstructGPT, arXiv 2203.02155) for domains routed to 'reward_model': a sequence-classification model scores prompt + response in batches.")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="The code sandbox (engines/sandbox/runner.py): bubblewrap required unless allow_weaker names a weaker mode; the work dir's size and file budget.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        for domain, (low, high) in self.bounds.items():
+            if not low <= high:
+                raise ValueError(f"reward.bounds.{domain}: [{low}, {high}] is empty; expected [low, high] with low <= high")
+        return self

@@ -53,24 +53,29 @@ def score_responses(results: pd.DataFrame, *, reward: RewardConfig | None = None
                     placement: RewardPlacement = RewardPlacement()) -> pd.DataFrame:
     """`results` plus `reward` and `reward_error`, scored in this process by training's scoring path
     (`score_samples`) with the config's `reward` section (None: its defaults), model rewards on `placement`."""
+    from engines.rewards.calls import RewardCalls
     from engines.rewards.models import ModelRewards
     from engines.rewards.routing import score_samples
 
     keep = [c for c in ("prompt", "answer", "domain", "tests", "metadata") if c in results.columns]
     items = [(row["domain"], row["response"], {k: row[k] for k in keep}) for _, row in results.iterrows()]
-    pool = cf.ThreadPoolExecutor(max_workers=4)
+    reward = reward or _default_reward()
+    pool = cf.ThreadPoolExecutor(max_workers=4)   # the model rewards' timed calls
     try:
-        if reward is None:
-            from engines.rewards.config import RewardConfig
-
-            reward = RewardConfig()
-        scored, _hung = score_samples(items, reward, pool, ModelRewards(pool), placement)
+        with RewardCalls(reward.processes) as calls:
+            scored, _hung = score_samples(items, reward, calls, ModelRewards(pool), placement)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # a hung reward call leaves its thread behind
+        pool.shutdown(wait=False, cancel_futures=True)  # a hung model-reward call leaves its thread behind
     out = results.copy()
     out["reward"] = [float(r) for r, _ in scored]
     out["reward_error"] = pd.Series([e for _, e in scored], index=out.index, dtype=object)
     return out
+
+
+def _default_reward() -> RewardConfig:
+    from engines.rewards.config import RewardConfig
+
+    return RewardConfig()
 
 
 def task_of(metadata) -> str | None:
@@ -94,16 +99,19 @@ def _groups(results: pd.DataFrame):
 
 
 def eval_metrics(results: pd.DataFrame) -> dict[str, float]:
-    """{"accuracy", "reward", "length"} of scored greedy rows, and "accuracy/<domain>",
-    "reward/<domain>", plus "accuracy/<domain>/<generator>" for reasoning-gym rows;
-    accuracy = share of rows with reward >= CORRECT_AT, reward = mean reward."""
+    """{"accuracy", "reward", "length", "errors"} of scored greedy rows, and "accuracy/<domain>",
+    "reward/<domain>", "errors/<domain>", plus "accuracy/<domain>/<generator>" for reasoning-gym rows;
+    accuracy = share of rows with reward >= CORRECT_AT, reward = mean reward, errors = rows whose reward
+    failed (their reward_error is set: they count as 0, not as wrong answers the model gave)."""
     correct = results["reward"] >= CORRECT_AT
+    failed = results["reward_error"].notna() if "reward_error" in results.columns else pd.Series(False, index=results.index)
     metrics = {"accuracy": float(correct.mean()), "reward": float(results["reward"].mean()),
-               "length": float(results["response_length"].mean())}
+               "length": float(results["response_length"].mean()), "errors": float(failed.sum())}
     for suffix, grp, is_domain in _groups(results):
         metrics[f"accuracy{suffix}"] = float((grp["reward"] >= CORRECT_AT).mean())
         if is_domain:
             metrics[f"reward{suffix}"] = float(grp["reward"].mean())
+            metrics[f"errors{suffix}"] = float(failed[grp.index].sum())
     return metrics
 
 
@@ -135,11 +143,17 @@ def evaluate(
     """Greedy-decode every prompt of `table` (columns prompt, domain, answer[, tests, metadata]) and
     score it with the reward training routes it to (`score_responses`). With `samples` = k > 0, also
     sample k responses per prompt (`temperature`, fixed `seed`) and add `sampled_metrics` (pass@k).
-    Returns (metrics, per-row greedy results with response, reward, reward_error, response_length)."""
+    Returns (metrics, per-row greedy results with response, reward, reward_error, response_length). Raises
+    RewardErrorRate when a domain's reward fails on more than reward.max_error_rate of the rows (an
+    accuracy of 0 would read as a model that answered nothing right)."""
     results = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
                                  stop=stop)
+    from engines.rewards.routing import check_error_rate
+
     results = score_responses(results, reward=reward)
     metrics = eval_metrics(results)
+    check_error_rate([(str(r["domain"]), {"metadata": r.get("metadata")}, r["reward_error"]) for _, r in results.iterrows()],
+                     reward or _default_reward(), "evaluation")
     if samples:
         sampled = generate_responses(engine, tokenizer, table, max_new_tokens=max_new_tokens, apply_chat_template=apply_chat_template,
                                      stop=stop, samples=samples, temperature=temperature, seed=seed)

@@ -4,7 +4,8 @@ A reward function scores one sample per call. These two hold a model instead, so
 keeps one `ModelRewards`: it builds each model once, lazily, on the first sample routed to it
 (`reward.judge` / `reward.reward_model`, engines/rewards/config.py), keeps it, and scores all the samples of a batch
 routed to it in chunks of `batch_size`: one judge generate call or one reward-model forward per
-chunk, each with its own timeout. Failures are isolated the way `score_isolated` isolates them:
+chunk, each with its own timeout, in threads of the reward worker (a reward function runs in a
+worker process instead, engines/rewards/calls.py). Failures are isolated per chunk:
 
 - a chunk that raises is re-scored one sample per call, so only a sample that raises on its own is
   lost (0.0, "ValueError: ...");

@@ -2,7 +2,9 @@
 process, and the host-side process control that goes with them.
 
 - bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir the
-  only writable host path, the host HOME hidden; new network, PID, IPC, UTS and cgroup namespaces.
+  only writable host path, the host HOME hidden; new network, PID, IPC, UTS and cgroup namespaces;
+  where bwrap has `--disable-userns` (0.8+) the program runs in a user namespace that can create no
+  further one, so no nested user (and with it mount) namespace either (`_bwrap_disables_userns`).
 - Without it, util-linux `unshare` (network, PID, mount + /proc), or nothing ("plain").
 - As root, `setpriv` drops every run to a random unprivileged uid (`_random_uid`), and the host
   kills whatever that uid still runs afterwards (`_kill_uid`).
@@ -39,8 +41,8 @@ class SandboxUnavailable(RuntimeError):
     """The sandbox's kernel layers are missing and no weaker mode was allowed by name: model code is
     not run. The message says what is missing and how to fix it."""
 
-# credential paths under HOME: hidden from the sandbox when HOME itself must stay visible, and
-# refused to the program by the audit hook (engines/sandbox/runner.py passes them to it)
+# credential paths under HOME: refused to the program by the audit hook (engines/sandbox/runner.py passes
+# them to it); under bubblewrap the whole HOME is hidden besides (`_bwrap_hide_home`)
 _SECRET_HOME_PATHS = (".aws", ".ssh", ".kube", ".docker", ".netrc", ".git-credentials", ".pgpass",
                       ".config/gcloud", ".azure", ".flyte", ".config/flyte", ".mlflow", ".pypirc")
 
@@ -54,6 +56,8 @@ class Isolation:
     drop_uid: bool             # setpriv to a random unprivileged uid (host runs as root)
     pidns: bool                # PID + network + mount namespace in effect
     fs_view: bool = False      # bwrap: read-only host, private /tmp, only the work dir writable
+    userns_disabled: bool = False   # bwrap --disable-userns: the program runs in a user namespace that can create none
+    nested_userns: bool | None = None   # the probe's program could create a user namespace (None: not probed)
 
     @property
     def private_workdir(self) -> bool:
@@ -72,10 +76,16 @@ class Isolation:
         with `max_files` inodes where `private_workdir`), then the drop to `uid` when given."""
         drop = _setpriv(uid) if uid is not None else []
         if self.mode == "bwrap-root":
-            return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--perms", "0700", "--dir", workdir,
-                    "--cap-add", "CAP_SYS_ADMIN", "--", *_mount_workdir(workdir, uid, disk_mb, max_files), *drop]
+            # with --disable-userns: a second bwrap, as the dropped uid, puts the program in a user namespace that
+            # can create none (bwrap's own user namespace maps one uid only, so the first, root one, cannot drop to
+            # a random uid inside it); it sees the same (read-only) tree, binds its own
+            inner = [self.prefix[0], "--dev-bind", "/", "/", "--unshare-user", "--disable-userns", "--die-with-parent",
+                     "--chdir", workdir, "--"] if self.userns_disabled else []
+            return [*self.prefix, *_bwrap_hide_home(), "--perms", "0700", "--dir", workdir,
+                    "--cap-add", "CAP_SYS_ADMIN", "--", *_mount_workdir(workdir, uid, disk_mb, max_files), *drop, *inner]
         if self.mode == "bwrap-userns":
-            return [*self.prefix, *_bwrap_hide_home(), *_bwrap_show_interpreter(), "--perms", "0700",
+            user = ("--unshare-user", "--disable-userns") if self.userns_disabled else ("--unshare-user",)
+            return [*self.prefix, *user, *_bwrap_hide_home(), "--perms", "0700",
                     "--size", str(disk_mb << 20), "--tmpfs", workdir, "--chdir", workdir, "--", *drop]
         if self.mode == "root-ns":     # mounted over the (empty) host dir, in the new mount namespace
             return [*self.prefix, *_mount_workdir(workdir, uid, disk_mb, max_files), *drop]
@@ -94,62 +104,78 @@ _NS_FLAGS = ("--net", "--pid", "--fork", "--kill-child", "--mount-proc")
 _TMP_MB = 64                   # size of each private tmpfs (/tmp, /dev/shm); it is memory
 
 
-def _bwrap_prefix(bwrap: str, root: bool) -> tuple[str, ...]:
+def _bwrap_prefix(bwrap: str) -> tuple[str, ...]:
     """bubblewrap: the whole host read-only, fresh /proc and /dev, private /tmp and /dev/shm
     (64 MiB tmpfs each, world-writable, gone after the run), and new IPC,
     PID, network, UTS and cgroup namespaces; SIGKILL when the host process dies. As root it
     creates the namespaces itself (setpriv then drops the uid); otherwise through a user
-    namespace, inside which no further user namespace may be created."""
-    user = () if root else ("--unshare-user", "--disable-userns")
+    namespace (`Isolation.command` adds it, and where bwrap can, forbids further ones)."""
     tmpfs = ("--perms", "1777", "--size", str(_TMP_MB << 20), "--tmpfs")
     return (bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", *tmpfs, "/dev/shm",
-            *tmpfs, "/tmp", *user, "--unshare-ipc",
+            *tmpfs, "/tmp", "--unshare-ipc",
             "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session")
 
 
 def _bwrap_hide_home() -> list[str]:
-    """Hide the host HOME behind an empty tmpfs; when the interpreter lives under HOME (pyenv),
-    hide only the credential paths that exist there."""
+    """Hide the host HOME behind an empty tmpfs, then bind the interpreter's install read-only back
+    over it and over the private /tmp and /dev/shm where it lives there (pyenv in HOME, a virtual
+    environment in a checkout under /tmp); otherwise the sandbox could not start it. Those binds sit
+    on a world-readable tmpfs, so the dropped uid reaches them even where HOME itself is 0700 (a
+    sandbox user namespace sees root's files as other's)."""
     home = os.path.realpath(os.path.expanduser("~"))
-    if home == "/" or not os.path.isdir(home):
-        return []
-    interp = {os.path.realpath(p) for p in (sys.executable, sys.prefix, sys.base_prefix)}
-    if not any(p == home or p.startswith(home + os.sep) for p in interp):
-        return ["--tmpfs", home]
-    out = []
-    for rel in _SECRET_HOME_PATHS:
-        p = os.path.join(home, rel)
-        if os.path.isdir(p):
-            out += ["--tmpfs", p]
-        elif os.path.exists(p):
-            out += ["--ro-bind", "/dev/null", p]
-    return out
-
-
-def _bwrap_show_interpreter() -> list[str]:
-    """Bind the interpreter's install read-only back over the private /tmp and /dev/shm when it lives
-    there (a virtual environment in a checkout under /tmp); otherwise the sandbox could not start it."""
+    hidden = ["/tmp", "/dev/shm"]
     out: list[str] = []
+    if home != "/" and os.path.isdir(home):
+        out += ["--tmpfs", home]
+        hidden.append(home)
     paths = (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))
     # both as named and resolved: a virtual environment symlinked into the checkout (`.venv -> /elsewhere`) is
     # started through its link's path, which must exist inside the sandbox too (bwrap binds what it points to)
+    binds: list[str] = []
     for p in sorted({os.path.abspath(p) for p in paths} | {os.path.realpath(p) for p in paths}):
-        if any(p == d or p.startswith(d + os.sep) for d in ("/tmp", "/dev/shm")) and p not in ("/tmp", "/dev/shm"):
-            if not any(p.startswith(q + os.sep) for q in out[1::3]):
-                out += ["--ro-bind", p, p]
+        if any(p.startswith(d + os.sep) for d in hidden) and not any(p == q or p.startswith(q + os.sep) for q in binds):
+            binds.append(p)
+    made: set[str] = set()
+    for p in binds:       # the folders on the way, world-traversable (bwrap would make them 0700, root's)
+        top = next(d for d in hidden if p.startswith(d + os.sep))
+        parts = p[len(top) + 1:].split(os.sep)[:-1]
+        for i in range(1, len(parts) + 1):
+            d = os.path.join(top, *parts[:i])
+            if d not in made:
+                made.add(d)
+                out += ["--perms", "0755", "--dir", d]
+        out += ["--ro-bind", p, p]
     return out
 
 
-def _probe(cmd: list[str]) -> tuple[bool, str]:
-    check = "import fractions, json, pickle, resource, socket, threading, traceback; print('ok')"
+def _bwrap_disables_userns(bwrap: str) -> bool:
+    """Whether this bubblewrap has `--disable-userns` (0.8+), read from its `--help`."""
     try:
-        r = subprocess.run(cmd + [sys.executable, "-I", "-B", "-c", check], capture_output=True,
+        r = subprocess.run([bwrap, "--help"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"--disable-userns" in r.stdout + r.stderr
+
+
+# the probe's program: the modules a run needs, then whether it can create a user namespace (CLONE_NEWUSER)
+_PROBE = ("import fractions, json, pickle, resource, socket, threading, traceback\n"
+          "try:\n    import ctypes\n    r = ctypes.CDLL(None, use_errno=True).unshare(0x10000000)\n"
+          "except Exception:\n    r = None\n"
+          "print('ok', 'unknown' if r is None else 'nested-userns' if r == 0 else 'no-userns')")
+
+
+def _probe(cmd: list[str]) -> tuple[bool, str, bool | None]:
+    """(the command runs the interpreter, why not, whether the program there could create a user namespace)."""
+    try:
+        r = subprocess.run(cmd + [sys.executable, "-I", "-B", "-c", _PROBE], capture_output=True,
                            timeout=20, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     except (OSError, subprocess.SubprocessError) as e:
-        return False, str(e)
-    ok = r.returncode == 0 and r.stdout.strip() == b"ok"
-    return ok, "" if ok else (r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}")
+        return False, str(e), None
+    out = r.stdout.split()
+    ok = r.returncode == 0 and out[:1] == [b"ok"]
+    nested = {b"nested-userns": True, b"no-userns": False}.get(out[1]) if ok and len(out) > 1 else None
+    return ok, "" if ok else (r.stderr.decode(errors="replace").strip()[-300:] or f"exit {r.returncode}"), nested
 
 
 def _setpriv(uid: int) -> list[str]:
@@ -165,12 +191,21 @@ def _probed() -> tuple[Isolation, str]:
     root = os.geteuid() == 0
     missing = "bubblewrap (`bwrap`) is not on PATH"
     if bwrap and (setpriv or not root):
-        iso = Isolation("bwrap-root" if root else "bwrap-userns", _bwrap_prefix(bwrap, root), root, True, True)
-        probe_dir = "/tmp/flyroll-sbx-probe"
-        uid = _random_uid() if root else None
-        ok, why = _probe(iso.command(probe_dir, uid, 8, 16))
-        if ok:
-            return iso, ""
+        mode, uid = ("bwrap-root", _random_uid()) if root else ("bwrap-userns", None)
+        disables = _bwrap_disables_userns(bwrap)
+        refused = ""
+        for off in (True, False) if disables else (False,):
+            iso = Isolation(mode, _bwrap_prefix(bwrap), root, True, True, userns_disabled=off)
+            ok, why, nested = _probe(iso.command("/tmp/flyroll-sbx-probe", uid, 8, 16))
+            if ok:
+                iso = dataclasses.replace(iso, nested_userns=nested)
+                if nested:
+                    log.warning("sandbox: programs in the sandbox can create nested user namespaces, and with them mount "
+                                "namespaces (kernel attack surface): %s (docs/sandbox.md)",
+                                f"bwrap --disable-userns failed its probe ({refused})" if disables
+                                else f"this bubblewrap (`{bwrap}`) has no --disable-userns, which needs 0.8 or later")
+                return iso, ""
+            refused = why
         missing = f"bubblewrap (`{bwrap}`) failed its probe ({why})"
     elif bwrap:
         missing = "`setpriv` (util-linux) is not on PATH, which bubblewrap needs as root"
@@ -224,15 +259,17 @@ def _fallback(root: bool, unshare: str | None, setpriv: str | None) -> Isolation
     """The modes without bubblewrap: util-linux `unshare` (+ `setpriv` as root), else plain."""
     if root and unshare and setpriv:
         prefix = ("unshare", *_NS_FLAGS, "--")
-        if _probe(list(prefix) + _setpriv(_random_uid()))[0]:
-            return Isolation("root-ns", prefix, True, True)
+        ok, _, nested = _probe(list(prefix) + _setpriv(_random_uid()))
+        if ok:
+            return Isolation("root-ns", prefix, True, True, nested_userns=nested)
     if not root and unshare:
         for userflag in ("--map-current-user", "--map-root-user"):
             prefix = ("unshare", "--user", userflag, *_NS_FLAGS, "--")
-            if _probe(list(prefix))[0]:
-                return Isolation("userns", prefix, False, True)
-    drop = root and bool(setpriv) and _probe(_setpriv(_random_uid()))[0]
-    return Isolation("plain", (), drop, False)
+            ok, _, nested = _probe(list(prefix))
+            if ok:
+                return Isolation("userns", prefix, False, True, nested_userns=nested)
+    ok, _, nested = _probe(_setpriv(_random_uid())) if root and setpriv else (False, "", None)
+    return Isolation("plain", (), ok, False, nested_userns=nested)
 
 
 def _random_uid() -> int:

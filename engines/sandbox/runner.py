@@ -9,9 +9,10 @@ what none of them stops):
 1. bubblewrap (`bwrap`): the host filesystem read-only, private /tmp and /dev/shm, the work dir a
    tmpfs of max_disk_mb (and max_files inodes as root) inside the sandbox, no host path writable,
    the host HOME hidden; new network (no route to the host), PID, IPC, UTS and cgroup namespaces;
-   killed with the host process. Without bwrap, model code does not run (`SandboxUnavailable`)
-   unless `allow_weaker` names a weaker mode: util-linux `unshare` (network, PID, mount + /proc)
-   or nothing ("plain"), after ONE warning.
+   killed with the host process; no nested user (nor mount) namespace where bwrap has
+   --disable-userns (0.8+; otherwise one warning says so). Without bwrap, model code does not
+   run (`SandboxUnavailable`) unless `allow_weaker` names a weaker mode: util-linux `unshare`
+   (network, PID, mount + /proc) or nothing ("plain"), after ONE warning.
 2. Kernel credentials, when the host runs as root: `setpriv` drops to a random unprivileged uid/gid
    with no supplementary groups and no_new_privs.
 3. Kernel resource limits (`setrlimit` in the sandbox before any model code runs): CPU seconds,
@@ -284,16 +285,20 @@ def _run(cfg: dict, secret: dict, iso: Isolation, uid: int | None, stdin: str, t
 
     deadline = t0 + timeout_s
     status, rusage, timed_out = None, None, False
-    while True:
-        pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            status, rusage = st, ru
-            break
-        now = time.monotonic()
-        if now >= deadline:
-            timed_out = True
-            break
-        pump(min(deadline - now, 0.02))
+    try:
+        while True:
+            pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                status, rusage = st, ru
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            pump(min(deadline - now, 0.02))
+    except BaseException:   # e.g. SystemExit from the reward worker's SIGTERM (engines/rewards/calls.py): no orphans
+        _kill_tree(proc.pid, uid)
+        raise
     wall = time.monotonic() - t0
     _kill_tree(proc.pid, uid)
     if status is None:

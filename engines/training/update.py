@@ -176,10 +176,18 @@ def _lr_schedule(optimizer, warmup_steps, total_steps, min_lr_ratio):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+class NonFiniteUpdate(RuntimeError):
+    """A loss, a loss term or the gradient norm of an update is inf or NaN: the step is not taken (an update
+    that silently did nothing, or wrote NaN into the weights, would look like training)."""
+
+
 class _PPOEngine:
     """What the actor's and the critic's engines share: the strategy-wrapped module, its AdamW and
     LR schedule (and their state), and the update loop — `ppo_epochs` passes over shuffled
-    mini-batches, each split into micro-batches by token count, one optimizer step per mini-batch."""
+    mini-batches, each split into micro-batches by token count, one optimizer step per mini-batch. A
+    loss or gradient norm that is not finite raises `NonFiniteUpdate` before that step."""
+
+    role = "actor"   # the metrics' prefix
 
     def __init__(self, module, lr: float, weight_decay: float, betas: tuple[float, float], grad_clip: float,
                  warmup_steps: int, total_steps: int | None, min_lr_ratio: float, strategy: TrainStrategy | None,
@@ -229,6 +237,7 @@ class _PPOEngine:
                 ran = global_counts(batch.response_mask[run])
                 strategy.zero_grad(self.optimizer)
                 micro = _micro_steps(strategy, run, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
+                bad: tuple[str, float] | None = None   # this rank's first loss or loss term that is not finite
                 for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
                     with strategy.micro_batch(last=n == len(micro) - 1):
@@ -237,8 +246,22 @@ class _PPOEngine:
                     w = weight * len(idx) / len(run)
                     for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
                         sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
+                        if bad is None and weight and k in _SHARE_METRICS and not math.isfinite(float(v)):
+                            bad = (k, float(v))
+                    if bad is None and weight and not math.isfinite(float(loss.detach())):
+                        bad = (f"{self.role}/loss", float(loss))
                     tokens += int(weight * sub.attention_mask.sum())
-                norms += strategy.step(self.optimizer)
+                # decided alike on every rank (a collective), before any step: a non-finite loss anywhere stops here
+                if strategy.all_reduce_sum([float(bad is not None)])[0]:
+                    strategy.zero_grad(self.optimizer)
+                    what = f"{bad[0]} is {bad[1]}" if bad else "a loss on another rank is not finite"
+                    raise NonFiniteUpdate(f"{what} at update {n_updates + 1} (epoch {_epoch + 1}, mini-batch "
+                                          f"{ms // mini_batch_size + 1}): the optimizer step was not taken")
+                norm = strategy.step(self.optimizer)   # skips the step when the global norm is not finite
+                if not math.isfinite(norm):
+                    raise NonFiniteUpdate(f"{self.role}/grad_norm is {norm} at update {n_updates + 1} (epoch {_epoch + 1}, "
+                                          f"mini-batch {ms // mini_batch_size + 1}): the optimizer step was not taken")
+                norms += norm
                 self.scheduler.step()
                 n_updates += 1
         keys = sorted(sums)  # every rank ran the same micro-batches, so the same keys
@@ -389,6 +412,8 @@ class TorchTrainEngine(_PPOEngine):
 class TorchCriticEngine(_PPOEngine):
     """The critic's update: clipped value loss (`objective.critic_loss`) against the returns, with
     its own AdamW; same mini-batch order and token-count micro-batching as the actor."""
+
+    role = "critic"
 
     def __init__(self, critic, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  grad_clip: float = 1.0, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.1,

@@ -12,6 +12,7 @@ these actors (tasks/loop/prompts.py `dynamic_sampling` runs the scheduler with t
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,7 @@ import ray
 from engines.data.datasets import decode_nested, encode_nested
 from engines.generation.engine import SamplingParams
 from engines.rewards.models import RewardPlacement
+from engines.rewards.routing import check_error_rate
 from infra.ray_session import actor_pool, kill_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
 from tasks.run.common import config_of, console
@@ -283,8 +285,31 @@ class RayRewards:
             kill_pool(self.role, self.n, self.spec.run_id)
 
 
+_TIMEOUT = re.compile(r"timeout after [\d.]+s in reward function '([^']+)'")
+
+
+def _timed_out(error: str) -> str | None:
+    """The reward function a row's error says timed out (engines/rewards/calls.py's wording), or None."""
+    m = _TIMEOUT.search(str(error))
+    return m.group(1) if m else None
+
+
+def _metric_safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", name)
+
+
+def check_reward_errors(reward, df: pd.DataFrame, where: str) -> None:
+    """engines/rewards/routing.py `check_error_rate` over a scored table (its reward_error column): raises when a
+    domain's reward failed on more than reward.max_error_rate of the rows, naming function, domain and an example."""
+    rows = decode_nested(df[[c for c in ("domain", "metadata", "reward_error") if c in df.columns]])
+    meta = rows["metadata"] if "metadata" in rows.columns else [None] * len(rows)
+    check_error_rate([(str(d), {"metadata": m}, e) for d, m, e in zip(rows["domain"], meta, rows["reward_error"])],
+                     reward, where)
+
+
 def reward_metrics(df: pd.DataFrame) -> dict[str, float]:
-    """reward/* metrics of a scored table: mean, accuracy, errors, per domain, all-equal groups."""
+    """reward/* metrics of a scored table: mean, accuracy, errors and timeouts per domain, timeouts per reward
+    function (reward/timeouts/<function>), the sandbox modes, all-equal groups."""
     metrics: dict[str, float] = {}
     rewards = df["reward"].tolist()
     metrics["reward/mean"] = float(np.mean(rewards))
@@ -294,6 +319,10 @@ def reward_metrics(df: pd.DataFrame) -> dict[str, float]:
         metrics[f"reward/{domain}/mean"] = float(grp["reward"].mean())
         metrics[f"reward/{domain}/accuracy"] = float((grp["reward"] >= 1.0).mean())
         metrics[f"reward/{domain}/errors"] = float(grp["reward_error"].notna().sum())  # e.g. judge failures
+        timeouts = grp["reward_error"].dropna().map(_timed_out).dropna()
+        metrics[f"reward/{domain}/timeouts"] = float(len(timeouts))
+        for name, count in timeouts.value_counts().items():   # which function hangs, by name
+            metrics[f"reward/timeouts/{_metric_safe(name)}"] = metrics.get(f"reward/timeouts/{_metric_safe(name)}", 0.0) + float(count)
         metrics[f"reward/{domain}/response_length"] = float(grp["response_token_ids"].map(len).mean())
         if "reward_isolation" in grp.columns:   # which sandbox mode scored this batch's code samples
             for mode, count in grp["reward_isolation"].dropna().value_counts().items():

@@ -179,8 +179,15 @@ class TrainWorker:
         from engines.weight_sync.gather import is_shard
         from tasks.run.common import TRAINER_STATE
 
+        from engines.training.update import NonFiniteUpdate
+
         t0 = time.perf_counter()
-        metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
+        try:
+            metrics = self.update(table, algorithm, training, temperature, seed, train_actor)
+        except NonFiniteUpdate as e:
+            raise NonFiniteUpdate(f"{e}, training {next_key} from {self.key} (the last good version; nothing of the new "
+                                  "one was written). Look at this batch's reward/* metrics and the advantages: lower "
+                                  "training.lr or training.grad_clip, or bound the reward (reward.bounds)") from None
         metrics["training/update_s"] = time.perf_counter() - t0  # the stage's rest: load, gather, checkpoint write
         self.key = next_key  # what weight_sync will publish these weights as
         # a sharded trainer's live sync of a version it does not write gathers per bucket in `send_weights`:

@@ -29,8 +29,9 @@ import pandas as pd
 from engines.data.datasets import decode_nested, encode_nested
 from engines.data.prompt_mix import mix_domains, split_by_domain
 from engines.generation.scheduler import DROPPED, RolloutScheduler, group_filters
-from tasks.run.common import config_of, console, fetch_cached
-from tasks.actors.pools import RayRewards, reward_metrics, with_rewards
+from engines.rewards.routing import RewardErrorRate
+from tasks.run.common import config_of, console, fetch_cached, log_iteration_metrics
+from tasks.actors.pools import RayRewards, check_reward_errors, reward_metrics, with_rewards
 from tasks.run.seeds import epoch_order_seed, prompt_mix_seed, refill_stream_seed
 from tasks.run.types import RunSpec
 
@@ -114,7 +115,13 @@ def dynamic_sampling(spec: RunSpec, generation, prompts: pd.DataFrame, train: pd
         return with_rewards(encode_nested(pd.DataFrame([r for r, _, _ in scored])),
                             [x for _, x, _ in scored], [e for _, _, e in scored])
 
-    metrics = {**reward_metrics(table([g for g in result.groups if g.rewards])), **result.metrics(want)}
+    scored = table([g for g in result.groups if g.rewards])
+    metrics = {**reward_metrics(scored), **result.metrics(want)}
+    try:
+        check_reward_errors(cfg.reward, scored, f"iteration {iteration}'s scoring (while generating)")
+    except RewardErrorRate:
+        log_iteration_metrics(spec, iteration, metrics)   # the failing batch's reward/* metrics, then the failure
+        raise
     if not filters:  # nothing was filtered: the dynamic_sampling/* counts would only restate the batch
         metrics = {k: v for k, v in metrics.items() if not k.startswith("dynamic_sampling/")}
     return table(groups), metrics

@@ -21,11 +21,12 @@ NOT_TOKENIZER = ("model", "pytorch_model", "trainer_state.pt", "critic/")  # wei
 _DEFAULT_REWARD = {"synthetic": None, "file": None, "reasoning_gym": "reasoning_gym", "humaneval": "code", "ifeval": "ifeval"}
 
 
-def source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
-                   notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+def source_splits(src: dict, d: dict, seed: int, min_train: int = 1, notes: list[str] | None = None,
+                  long_lines: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """(train, eval, problems) of one `data.sources` entry; `problems` = skipped-row reports. A file
     without eval_uri must leave `min_train` train rows after its eval split; a warning that its eval
-    split was capped is appended to `notes`."""
+    split was capped is appended to `notes`, and (file, `LongLines`) of each file with lines over
+    data.max_line_bytes (engines/data/text_lines.py) to `long_lines`."""
     n_train, n_eval = src["train_size"] or d["train_size"], src["eval_size"] or d["eval_size"]
     kind, problems = src["kind"], []
     if kind == "synthetic":
@@ -43,11 +44,11 @@ def source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
         cut = max(1, len(every) - n_eval)
         train, evals = every.iloc[:cut].head(src["train_size"] or cut), every.iloc[cut:]
     else:  # file
-        res = datasets.load_prompts(src["uri"], default_domain=src["domain"])
-        problems += [f"{src['uri']}: {res.summary()}"] if res.errors or res.notes else []
+        res = datasets.load_prompts(src["uri"], default_domain=src["domain"], max_line_bytes=d["max_line_bytes"])
+        problems += _problems(res, long_lines)
         if src["eval_uri"]:
-            ev = datasets.load_prompts(src["eval_uri"], default_domain=src["domain"])
-            problems += [f"{src['eval_uri']}: {ev.summary()}"] if ev.errors or ev.notes else []
+            ev = datasets.load_prompts(src["eval_uri"], default_domain=src["domain"], max_line_bytes=d["max_line_bytes"])
+            problems += _problems(ev, long_lines)
             train, evals = res.table.head(src["train_size"] or len(res.table)), ev.table.head(n_eval)
         else:  # eval rows by prompt hash, at most 20 % of the file (engines/data/prompt_mix.py hash_split)
             split = hash_split(res.table, n_eval, min_train=min_train, what=f"data.sources file {src['uri']!r}")
@@ -68,18 +69,28 @@ def source_splits(src: dict, d: dict, seed: int, min_train: int = 1,
     return out[0], out[1], problems
 
 
-def build_splits(d: dict, seed: int, min_train: int = 1,
-                 notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+def _problems(res: datasets.LoadResult, long_lines: list | None) -> list[str]:
+    """The report of a loaded file that skipped, dropped or fixed something (else []); (file, its lines
+    over data.max_line_bytes) also go to `long_lines`."""
+    dropped = res.long_lines is not None and res.long_lines.count > 0
+    if dropped and long_lines is not None:
+        long_lines.append((res.uri, res.long_lines))
+    return [f"{res.uri}: {res.summary()}"] if res.errors or res.notes or dropped else []
+
+
+def build_splits(d: dict, seed: int, min_train: int = 1, notes: list[str] | None = None,
+                 long_lines: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """The train and eval tables (columns prompt_id, domain, prompt, answer, tests, metadata), and the
     skipped-row reports. `min_train` (one iteration's prompts) binds a file source's eval split when it
-    is the only source; eval-cap warnings are appended to `notes`."""
+    is the only source; eval-cap warnings are appended to `notes`, (file, `LongLines`) of the files
+    with lines over data.max_line_bytes to `long_lines`."""
     if not d["sources"]:
         specs = [{"kind": "synthetic", "names": tuple(d["domains"]), "domain": None, "train_size": None, "eval_size": None}]
     else:
         specs = d["sources"]
     trains, evals, problems = [], [], []
     for src in specs:
-        tr, ev, pr = source_splits(src, d, seed, min_train if len(specs) == 1 else 1, notes)
+        tr, ev, pr = source_splits(src, d, seed, min_train if len(specs) == 1 else 1, notes, long_lines)
         trains.append(tr)
         evals.append(ev)
         problems += pr

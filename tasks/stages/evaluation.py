@@ -15,7 +15,7 @@ from infra.ray_session import is_local_execution, shutdown
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.run.common import config_of, console, stage, store_of
-from tasks.actors.pools import generation_pool, score_table
+from tasks.actors.pools import check_reward_errors, generation_pool, score_table
 from tasks.loop.prompts import read_table
 from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 from tasks.run.seeds import eval_sampling_seed
@@ -44,6 +44,7 @@ def evaluate(spec: RunSpec, policy: PolicyRef, dataset: DatasetRef) -> float:
             result.update(sampled_metrics(sampled, k))
             tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, sampled.to_csv(index=False), f"eval/v{policy.version:04d}_sampled.csv")
         metrics.update({f"eval/{k}": v for k, v in result.items()})
+    check_reward_errors(cfg.reward, rows, f"evaluation of version {policy.version}")   # after eval/* are logged
     return float(result["accuracy"])
 
 

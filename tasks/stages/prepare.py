@@ -20,16 +20,20 @@ from flytekit import Cache, task
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from configs.schema import load_config
-from engines.data.datasets import encode_nested
+from engines.data.datasets import decode_nested, encode_nested
 from engines.agentic.env_manager import solved_episodes
 from engines.data.fingerprint import fingerprint
 from engines.models.host_memory import release_allocator_caches
+from engines.models.threads import model_threads
+from engines.rewards.routing import check_routes
 from engines.training.pretrain import supervised_finetune
 from engines.data.synthetic import make_problems, teacher_demonstration
 from infra import tracking
 from infra.ray_session import is_local_execution
 from infra.resources import check_placement, task_resources
-from infra.store import ArtifactStore, StoreError
+from infra.store import ArtifactStore, CorruptArtifact, StoreError
+from infra.tracking_store import check_store, tracking_uri_source
+from tasks.loop.prompts import read_table
 from tasks.run.common import config_of, console, execution_id, settle_published_iteration, store_of
 from tasks.run.keys import parse_policy_key, policy_prefix
 from tasks.run.model_import import build_reference, check_model_path, imported_policy
@@ -70,7 +74,9 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
             check_model_path(path, store, field)
     # one process per run id: refused here, naming the holder, before the MLflow run is opened or resumed
     store.lock_run(run_id, execution_id=execution_id())
+    verify_resume_policy(store, run_id)  # a refused rerun leaves its MLflow run as it was: checked before it is reopened
     tracking_uri = tracking.resolve_tracking_uri(cfg.run.tracking_uri, out_dir)
+    check_store(tracking_uri, tracking_uri_source(cfg.run.tracking_uri))  # read-only, corrupt, locked: named here
     for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
         console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
@@ -166,7 +172,8 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     """The train and eval prompt tables as versioned parquet artifacts (content-addressed by the data
     config, the fingerprints of the files it reads, and the policy, whose tokenizer and context bound
     the prompts). Bad rows of user files are skipped, prompts over data.max_prompt_tokens dropped or
-    truncated; counts and reasons go to MLflow."""
+    truncated; counts and reasons go to MLflow. A domain no reward can score (reward.functions,
+    metadata.reward_fn, the domain's name) is refused here, before any cluster starts."""
     cfg = config_of(spec)
     d = cfg.data.model_dump(mode="json")
     store = store_of(spec)
@@ -186,10 +193,12 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     keys = {s: f"datasets/{name}-{version}/{s}" for s in ("train", "eval")}
     if not all(store.exists(k) for k in keys.values()):
         eval_notes: list[str] = []
+        long_lines: list = []   # (file, LongLines): lines over data.max_line_bytes, dropped unread
         min_train = cfg.rollout.prompts_per_iteration if cfg.rollout.partial_rollout_max_split == 1 else 1
-        train, evals, problems = build_splits(d, cfg.run.seed, min_train, eval_notes)
+        train, evals, problems = build_splits(d, cfg.run.seed, min_train, eval_notes, long_lines)
         train, evals, bounds = bounded_splits(cfg, store, base, train, evals)
         long_rows = [r.summary(split) for split, r in bounds.items() if r.over]
+        long_line_rows = [f"{uri}: {r.summary()}" for uri, r in long_lines]
         for split, df in (("train", train), ("eval", evals)):
             if not len(df):
                 raise ValueError(f"data: no {split} prompt is left ({'; '.join(long_rows) or 'the sources gave none'})")
@@ -199,6 +208,7 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
                             "domain_rows": {str(k): int(v) for k, v in df["domain"].value_counts().items()},
                             "max_prompt_tokens": bounds[split].limit, "long_prompts": bounds[split].over,
                             "over_length": cfg.data.over_length, "long_prompts_report": bounds[split].summary(split),
+                            "long_lines": sum(r.count for _, r in long_lines), "long_lines_report": long_line_rows,
                             "inputs": inputs, "eval_split_notes": eval_notes})
         for note in eval_notes:
             console.print(f"[yellow]eval split:[/] {note}")
@@ -207,6 +217,12 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
             tracking.log_text(spec.tracking_uri, spec.mlflow_run_id, "\n".join(problems), "data/skipped_rows.txt")
         if long_rows:
             console.print("[yellow]long prompts:[/] " + " | ".join(long_rows))
+        if long_line_rows:
+            console.print("[yellow]long lines:[/] " + " | ".join(long_line_rows))
+    for split, key in keys.items():   # a domain no reward can score is refused before any cluster starts
+        rows = decode_nested(read_table(spec, key))
+        meta = rows["metadata"] if "metadata" in rows.columns else [None] * len(rows)
+        check_routes([(d, {"metadata": m}) for d, m in zip(rows["domain"], meta)], cfg.reward, f"data ({split} split {key})")
     manifest = store.manifest(keys["train"])
     eval_meta = store.manifest(keys["eval"]).metadata
     console.print(f"dataset {name}-{version}: {manifest.metadata.get('rows')} train / {eval_meta.get('rows')} eval prompts "
@@ -217,6 +233,7 @@ def make_dataset(spec: RunSpec, base: PolicyRef) -> DatasetRef:
     tracking.log_metrics(spec.tracking_uri, spec.mlflow_run_id,
                          {"data/train_rows": float(manifest.metadata["rows"]),
                           long_key: float(manifest.metadata.get("long_prompts", 0)),
+                          "data/dropped_long_lines": float(manifest.metadata.get("long_lines", 0)),
                           "data/skipped_row_reports": float(len(manifest.metadata.get("skipped_rows", [])))}, step=0)
     before = tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.tags.get("flyroll.dataset.train")
     if before and before != keys["train"]:  # a resumed run whose data files changed since it started
@@ -282,8 +299,10 @@ def _bootstrap_tiny(spec: dict, store: ArtifactStore, key: str) -> PolicyRef:
     m = spec["model"]
     from engines.models.modeling import build_tiny_policy, save_policy  # engines.models.modeling: here and below, not at the top: it
                                                                  # loads transformers' model classes (~5 s of import)
-    torch.set_num_threads(capped_threads(os.cpu_count() or 1))
     b = m["bootstrap"]
+    # one thread for the tiny model: its ops are too small to split, and beside another job a second thread costs
+    # more than it gives (engines/models/threads.py `model_threads`; a user's OMP_NUM_THREADS decides instead)
+    torch.set_num_threads(capped_threads(model_threads(os.cpu_count() or 1, b["hidden_size"])))
     model, tok = build_tiny_policy(b["hidden_size"], b["num_layers"], b["num_heads"], max_positions=b["max_positions"], seed=spec["seed"])
     if spec.get("env"):  # agentic: pre-train on scripted-solver episodes of the environment
         pairs = env_demonstrations(spec)
@@ -386,12 +405,27 @@ def reference_policy(spec: RunSpec, model_spec: str, base: PolicyRef) -> PolicyR
     return ref
 
 
+def verify_resume_policy(store: ArtifactStore, run_id: str) -> None:
+    """Re-hash the newest published policy version of run `run_id` -- the one its rerun resumes from; for
+    a finished run, its final policy -- against its manifest: a corrupt one raises `CorruptArtifact`
+    naming it and the earlier version to go back to. `prepare_run` calls it before it opens or reopens
+    the MLflow run, so a refused rerun leaves that run as it was (a FINISHED run stays FINISHED, its tags
+    unchanged), and `resume_point` then starts from a verified version."""
+    versions = store.list(policy_prefix(run_id))
+    if not versions:
+        return
+    try:
+        store.verify(versions[-1])  # every file re-hashed: a corrupt version is never resumed from
+    except CorruptArtifact as e:
+        raise CorruptArtifact(f"run {run_id!r} is not resumed: its newest policy version {versions[-1]} is corrupt; its "
+                              f"MLflow run is left as it was (not reopened). {e}") from e
+
+
 @task(**task_resources("setup"))
 def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
     """Where the loop starts: the last published policy of this run (resume), else the base policy.
-    The last version's files are re-hashed against its manifest first (a rerun of a finished run
-    checks its final policy too): a corrupt one raises `CorruptArtifact` naming the earlier version
-    to go back to.
+    `prepare_run` has re-hashed that version against its manifest (`verify_resume_policy`), before
+    it reopened the MLflow run.
 
     A cached `bootstrap_policy` output can outlive its artifact (someone deleted the store folder):
     then the base is rebuilt here, so a cache hit never hands the loop a missing checkpoint."""
@@ -405,7 +439,7 @@ def resume_point(spec: RunSpec, base: PolicyRef, model_spec: str) -> PolicyRef:
         return base
     key = versions[-1]
     version = parse_policy_key(key).version
-    manifest = store_of(spec).verify(key)  # every file re-hashed: a corrupt version is never resumed from (nor a finished run's final policy passed)
+    manifest = store_of(spec).manifest(key)  # its files: re-hashed by prepare_run (verify_resume_policy)
     console.print(f"[bold]resume[/] from {key} (iteration {version}, hashes verified)")
     if owed := settle_published_iteration(spec, key):  # killed after its publish, before its metrics
         console.print(f"[yellow]iteration {version}'s weight sync was cut short after its publish: logged {sorted(owed)}[/]")

@@ -1,8 +1,9 @@
 """Scoring: verifiable rewards per domain in reward-worker actors; a broken reward costs one sample.
 
-Every row goes to the reward workers (tasks/actors/pools.py `score_table`): a reward that raises or times
-out costs that sample (scored 0, flagged in `reward_error`), a worker that crashes has its rows
-re-scored one by one. Domains routed to a model reward (`judge`, `reward_model`) are scored in
+Every row goes to the reward workers (tasks/actors/pools.py `score_table`): a reward that raises, times
+out or returns no finite number costs that sample (scored 0, flagged in `reward_error`), a worker that
+crashes has its rows re-scored one by one. A domain whose reward fails on more than
+reward.max_error_rate of the rows fails the run, once the batch's reward/* metrics are logged. Domains routed to a model reward (`judge`, `reward_model`) are scored in
 batches by a model each reward worker loads once (engines/rewards/models.py).
 
 With dynamic sampling (`algorithm.filter_groups`, DAPO) or `rollout.score_while_generating` the
@@ -17,8 +18,8 @@ from flytekit import task
 
 from infra.ray_cluster import ray_job
 from infra.resources import task_resources
-from tasks.run.common import check_columns, stage
-from tasks.actors.pools import reward_metrics, score_table, with_rewards
+from tasks.run.common import check_columns, config_of, stage
+from tasks.actors.pools import check_reward_errors, reward_metrics, score_table, with_rewards
 from tasks.run.types import RunSpec
 
 
@@ -30,6 +31,7 @@ def score_batch(spec: RunSpec, batch: pd.DataFrame, iteration: int) -> pd.DataFr
         df = with_rewards(batch, *score_table(spec, batch))
         check_columns(df, "rollout", "scoring", at="leaving scoring")
         metrics.update(reward_metrics(df))
+    check_reward_errors(config_of(spec).reward, df, f"iteration {iteration}'s scoring")   # after its metrics are logged
     return df
 
 

@@ -111,7 +111,7 @@ def test_eval_set_routes_with_the_overridden_reward(tiny_model_dir, tmp_path, ca
     """--set reward.functions.mine=... (no --config: over the schema's defaults), repeated with a second
     setting: the graded reward scores the row (0.5 or 1.0, never 0)."""
     pd.DataFrame([{"prompt": "1+2=", "domain": "mine", "answer": "3"}]).to_json(tmp_path / "t.jsonl", orient="records", lines=True)
-    base = ["--model", tiny_model_dir, "--data", str(tmp_path / "t.jsonl"), "--max-new-tokens", "2"]
+    base = ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.jsonl"), "--max-new-tokens", "2"]
     rc, _, err = _eval(capsys, base)
     assert rc == 2 and "domain 'mine'" in err  # nothing routes 'mine' by default
     rc, res, err = _eval(capsys, [*base, "--set", f"reward.functions.mine={GRADED}", "--set", "reward.timeout_s=30"])

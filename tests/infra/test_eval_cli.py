@@ -43,7 +43,7 @@ def published(tiny_model_dir, tmp_path_factory) -> str:
 def test_eval_local_dir_parquet(tiny_model_dir, tmp_path, capsys):
     table = problems_table(6)
     table.to_parquet(tmp_path / "eval.parquet")
-    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "4"])
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "4"])
     assert rc == 0, err
     assert res["n"] == 6 and res["model"] == tiny_model_dir
     assert {"accuracy", "accuracy/arithmetic", "accuracy/reverse"} <= set(res)
@@ -62,13 +62,13 @@ def test_eval_jsonl_and_csv(tiny_model_dir, tmp_path, capsys, fmt):
         table.to_json(path, orient="records", lines=True)
     else:
         table.to_csv(path, index=False)
-    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(path), "--max-new-tokens", "2"])
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(path), "--max-new-tokens", "2"])
     assert rc == 0, err
     assert res["n"] == 4 and 0.0 <= res["accuracy"] <= 1.0
 
 
 def test_eval_synthetic_with_limit(tiny_model_dir, capsys):
-    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "5", "--max-new-tokens", "2"])
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", "synthetic:eval", "--limit", "5", "--max-new-tokens", "2"])
     assert rc == 0, err
     assert res["n"] == 5 and "accuracy/arithmetic" in res and "accuracy/reverse" in res
 
@@ -87,7 +87,7 @@ def test_eval_published_checkpoint_by_store_and_key(published, capsys):
 
 
 def test_eval_through_the_flyroll_command(tiny_model_dir, capsys):
-    rc = cli.main(["eval", "--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
+    rc = cli.main(["eval", "--model", tiny_model_dir, "--unverified", "--data", "synthetic:eval", "--limit", "2", "--max-new-tokens", "2"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(out)["n"] == 2  # stdout is exactly one JSON object
@@ -116,7 +116,7 @@ def test_dir_that_is_not_a_model(tmp_path, capsys):
 
 def test_missing_column(tiny_model_dir, tmp_path, capsys):
     problems_table(3).drop(columns=["answer"]).to_parquet(tmp_path / "t.parquet")
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.parquet")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.parquet")])
     assert rc == 2 and "missing column" in err and "'answer'" in err
 
 
@@ -125,19 +125,19 @@ def test_missing_column(tiny_model_dir, tmp_path, capsys):
     ("synthetic:train", "synthetic:eval"),
 ])
 def test_bad_data_argument(tiny_model_dir, tmp_path, capsys, data, needle):
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", data if ":" in data else str(tmp_path / data)])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", data if ":" in data else str(tmp_path / data)])
     assert rc == 2 and needle in err
 
 
 def test_bad_table_contents(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "t.txt").write_text("prompt,domain,answer\n")
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.txt")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.txt")])
     assert rc == 2 and "format" in err
     (tmp_path / "empty.csv").write_text("prompt,domain,answer\n")
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "empty.csv")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "empty.csv")])
     assert rc == 2 and "no rows" in err
     pd.DataFrame([{"prompt": "x", "domain": "poetry", "answer": "y"}]).to_csv(tmp_path / "d.csv", index=False)
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "d.csv")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "d.csv")])
     assert rc == 2 and "poetry" in err
 
 
@@ -157,7 +157,7 @@ def test_eval_routes_by_metadata_reward_fn(tiny_model_dir, tmp_path, capsys):
     table = pd.DataFrame([{"prompt": p, "domain": "custom", "answer": "3", "metadata": json.dumps({"reward_fn": GRADED})}
                           for p in ("1+2=", "5-2=")])
     table.to_parquet(tmp_path / "eval.parquet")
-    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "3"])
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "3"])
     assert rc == 0, err
     model, tok = load_policy(tiny_model_dir)
     decoded = table.assign(metadata=[{"reward_fn": GRADED}] * 2)
@@ -169,7 +169,7 @@ def test_eval_routes_by_metadata_reward_fn(tiny_model_dir, tmp_path, capsys):
 def test_eval_routes_by_config_reward_functions(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "cfg.yaml").write_text(f"reward:\n  functions: {{mine: '{GRADED}'}}\n")
     pd.DataFrame([{"prompt": "1+2=", "domain": "mine", "answer": "3"}]).to_json(tmp_path / "t.jsonl", orient="records", lines=True)
-    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.jsonl"), "--config", str(tmp_path / "cfg.yaml"),
+    rc, res, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.jsonl"), "--config", str(tmp_path / "cfg.yaml"),
                                 "--max-new-tokens", "2"])
     assert rc == 0, err
     assert res["reward/mine"] in (0.5, 1.0) and res["accuracy/mine"] == float(res["reward/mine"] == 1.0)
@@ -182,16 +182,16 @@ def test_eval_routes_by_config_reward_functions(tiny_model_dir, tmp_path, capsys
 def test_eval_refuses_a_route_no_reward_can_score(tiny_model_dir, tmp_path, capsys, route, needles):
     (tmp_path / "cfg.yaml").write_text(f"reward:\n  functions: {{mine: '{route}'}}\n")
     pd.DataFrame([{"prompt": "x", "domain": "mine", "answer": "y"}]).to_csv(tmp_path / "t.csv", index=False)
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "cfg.yaml")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "cfg.yaml")])
     assert rc == 2 and all(n in err for n in needles), err
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "nope.yaml")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.csv"), "--config", str(tmp_path / "nope.yaml")])
     assert rc == 2 and "nope.yaml" in err
 
 
 def test_eval_refuses_a_row_routed_to_a_model_reward_without_a_model(tiny_model_dir, tmp_path, capsys):
     pd.DataFrame([{"prompt": "x", "domain": "qa", "answer": "y", "metadata": {"reward_fn": "judge"}}]).to_json(
         tmp_path / "t.jsonl", orient="records", lines=True)
-    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--data", str(tmp_path / "t.jsonl")])
+    rc, _, err = run(capsys, ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "t.jsonl")])
     assert rc == 2 and "domain 'qa' (routed to 'judge')" in err and "reward.judge.model is not set" in err
 
 
@@ -233,7 +233,7 @@ def test_eval_stops_and_samples_as_configured(tiny_model_dir, tmp_path, capsys):
     table = problems_table(4)
     table.to_parquet(tmp_path / "eval.parquet")
     (tmp_path / "stop.yaml").write_text(json.dumps({"rollout": {"stop": list(CHARSET)}}))  # any character ends a response
-    args = ["--model", tiny_model_dir, "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "6"]
+    args = ["--model", tiny_model_dir, "--unverified", "--data", str(tmp_path / "eval.parquet"), "--max-new-tokens", "6"]
     rc, free, err = run(capsys, args)
     assert rc == 0, err
     rc, cut, err = run(capsys, [*args, "--config", str(tmp_path / "stop.yaml")])
@@ -251,7 +251,7 @@ def test_the_response_cap_follows_the_config_as_in_training_unless_given(tiny_mo
     """--config's rollout.max_new_tokens caps the responses (the tiny random policy rarely stops early,
     so the mean length sits at the cap); --max-new-tokens wins over it; 32 without either."""
     (tmp_path / "cfg.yaml").write_text("rollout:\n  max_new_tokens: 3\n")
-    data = ["--model", tiny_model_dir, "--data", "synthetic:eval", "--limit", "4"]
+    data = ["--model", tiny_model_dir, "--unverified", "--data", "synthetic:eval", "--limit", "4"]
     rc, from_config, err = run(capsys, [*data, "--config", str(tmp_path / "cfg.yaml")])
     assert rc == 0, err
     rc, given, err = run(capsys, [*data, "--config", str(tmp_path / "cfg.yaml"), "--max-new-tokens", "5"])

@@ -1,5 +1,6 @@
 """The rollout scheduler (engines/generation/scheduler.py) over a real tiny HF engine and the real isolated reward
-path (engines/rewards/routing.py `score_samples`), both in thread pools (`ThreadedSide`)."""
+path (engines/rewards/routing.py `score_samples`, its reward calls in worker processes), both sides in thread
+pools (`ThreadedSide`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ from engines.generation.engine import HFGenerationEngine, SamplingParams
 from engines.generation.scheduler import ABORTED, DROPPED, KEPT, FILTERS, RolloutScheduler, ThreadedSide
 
 G = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reward_calls():
+    """The reward functions' worker processes, shared by this module's tests (started once): more than a hung
+    group's samples, so a hang holds none of the other groups' calls."""
+    from engines.rewards.calls import RewardCalls
+
+    with RewardCalls(6) as calls:
+        _CALLS[:] = [calls]
+        yield calls
+    _CALLS.clear()
+
+
+_CALLS: list = []
 
 
 def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=1, reward_delay=0.0, reward_wait=None,
@@ -45,7 +61,7 @@ def _sides(tiny_policy, max_new_tokens=6, seed=0, timeout_s=5.0, reward_threads=
         if reward_wait is not None:
             reward_wait.wait(30.0)
         items = [(r["domain"], r["response"], {"prompt": r["prompt"]}) for r in rows]
-        results, _ = score_samples(items, reward, iso, ModelRewards(iso))
+        results, _ = score_samples(items, reward, _CALLS[0], ModelRewards(iso))
         return results
 
     return ThreadedSide(generate, 1), ThreadedSide(score, reward_threads), seen

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 import torch
 
 from engines.rewards.evaluation import evaluate
@@ -56,8 +57,28 @@ def test_evaluate_with_the_hf_engine(tiny_policy):
     model, tok = tiny_policy
     table = eval_table(4)
     metrics, rows = evaluate(HFGenerationEngine(model, tok), tok, table, max_new_tokens=4)
-    assert set(metrics) == {"accuracy", "length", "accuracy/arithmetic", "accuracy/reverse", "reward", "reward/arithmetic", "reward/reverse"}
+    assert set(metrics) == {"accuracy", "length", "accuracy/arithmetic", "accuracy/reverse", "reward", "reward/arithmetic", "reward/reverse",
+                            "errors", "errors/arithmetic", "errors/reverse"}
+    assert metrics["errors"] == 0.0
     assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k.startswith(("accuracy", "reward")))
     assert 1 <= metrics["length"] <= 4
     assert len(rows) == 4 and set(rows["reward"]) <= {0.0, 1.0}
     assert encode_prompts(tok, ["1+2="]) == encode(tok, ["1+2="])
+
+
+def test_evaluation_counts_reward_errors_and_fails_a_domain_that_mostly_errs(tiny_policy):
+    """A reward that fails on every row no longer reads as accuracy 0: evaluation reports errors per domain, and
+    over reward.max_error_rate it raises naming the function, the domain and an example (issue 60)."""
+    from engines.rewards.config import RewardConfig
+    from engines.rewards.routing import RewardErrorRate
+
+    _, tok = tiny_policy
+    table = eval_table(6)
+    broken = RewardConfig(functions={"reverse": "tests.support.hostile_rewards:infinite"})
+    with pytest.raises(RewardErrorRate, match=r"evaluation: the reward of domain 'reverse' \(function "
+                                              r"'tests.support.hostile_rewards:infinite'\) failed on 3 of 3 rows .*reward is inf"):
+        evaluate(ScriptedEngine(table), tok, table, max_new_tokens=8, reward=broken)
+    tolerant = RewardConfig(functions=broken.functions, max_error_rate=1.0)
+    metrics, rows = evaluate(ScriptedEngine(table), tok, table, max_new_tokens=8, reward=tolerant)
+    assert metrics["errors"] == 3.0 and metrics["errors/reverse"] == 3.0 and metrics["errors/arithmetic"] == 0.0
+    assert rows["reward_error"].notna().sum() == 3

@@ -414,3 +414,39 @@ def test_micro_batch_forward_respects_the_token_cap(tiny_policy):
     model.forward = counting_forward
     TorchTrainEngine(model).train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=cap)
     assert seen and max(seen) <= cap, f"padded tokens per micro-batch forward: {seen} (cap {cap})"
+
+
+# --- a loss or gradient that is not finite (issue 60) ---------------------------------------------------
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_a_non_finite_loss_stops_the_update_naming_the_metric(tiny_policy, poison):
+    """An advantage of inf / NaN (an unbounded reward let through) makes the loss non-finite: the update raises
+    NonFiniteUpdate naming the metric and where, and no optimizer step touched the weights -- before, the step
+    was skipped silently (actor/pg_loss=nan, every update a no-op) and the run went on."""
+    from engines.training.update import NonFiniteUpdate
+
+    model = copy.deepcopy(tiny_policy[0])
+    batch, adv, old, ref = rl_batch(tiny_policy[1], model)
+    adv = adv.clone()
+    adv[1] = float(poison)
+    before = params_of(model)
+    engine = TorchTrainEngine(model, lr=1e-3)
+    with pytest.raises(NonFiniteUpdate, match=r"actor/pg_loss is (nan|inf|-inf) at update 1 \(epoch 1, mini-batch \d\)"):
+        engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
+    after = params_of(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_non_finite_gradient_stops_the_update(tiny_policy):
+    """A finite loss whose gradient is not (a parameter poisoned to inf after the forward) stops at the step."""
+    from engines.training.update import NonFiniteUpdate
+
+    model = copy.deepcopy(tiny_policy[0])
+    batch, adv, old, ref = rl_batch(tiny_policy[1], model)
+    engine = TorchTrainEngine(model, lr=1e-3)
+    hook = next(model.parameters()).register_hook(lambda g: torch.full_like(g, float("inf")))
+    try:
+        with pytest.raises(NonFiniteUpdate, match=r"actor/grad_norm is (inf|nan) at update 1"):
+            engine.train_step(batch, adv, old, ref, AlgorithmConfig(), mini_batch_size=8, max_tokens_per_micro_batch=64)
+    finally:
+        hook.remove()

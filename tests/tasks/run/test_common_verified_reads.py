@@ -117,11 +117,13 @@ def test_eval_of_a_corrupt_store_folder_is_refused(tiny_model_dir, tmp_path, cap
 
 
 def test_resume_from_a_corrupt_version_is_refused_with_a_recovery_hint(tmp_path):
-    """resume_point re-hashes the version a run resumes from -- for a finished run, its final
-    policy: a flipped byte in v0003 raises CorruptArtifact naming the file and v0002 (the newest
-    version that verifies) instead of handing v0003 to the loop as the parent of v0004 (before:
-    resumed from it). With v0003's manifest removed, as the hint says, it resumes from v0002."""
-    from tasks.stages.prepare import resume_point
+    """The version a run resumes from -- for a finished run, its final policy -- is re-hashed before the
+    run starts (`prepare_run` calls verify_resume_policy before it touches the MLflow run,
+    tests/tasks/stages/test_prepare_refused_rerun.py): a flipped byte in v0003 raises CorruptArtifact
+    naming the file and v0002 (the newest version that verifies) instead of handing v0003 to the loop as
+    the parent of v0004 (before: resumed from it). With v0003's manifest removed, as the hint says, it
+    resumes from v0002."""
+    from tasks.stages.prepare import resume_point, verify_resume_policy
 
     root = str(tmp_path / "store")
     store, spec = ArtifactStore(root), _spec(root)
@@ -129,13 +131,15 @@ def test_resume_from_a_corrupt_version_is_refused_with_a_recovery_hint(tmp_path)
     for v in (1, 2, 3):
         _publish_checkpoint(store, tmp_path, f"runs/r1/policy/v{v:04d}", seed=v, parents=[f"runs/r1/policy/v{v - 1:04d}"])
     base = PolicyRef(key="models/tiny-x/v0000", version=0)
+    verify_resume_policy(store, "r1")
     assert resume_point.task_function(spec, base, "{}").key == "runs/r1/policy/v0003"  # intact: resumes
     _flip_byte(tmp_path / "store" / "runs/r1/policy/v0003" / "model.safetensors")
     _flip_byte(tmp_path / "store" / "runs/r1/policy/v0001" / "trainer_state.pt")  # an older corrupt one is skipped by the hint
     with pytest.raises(CorruptArtifact) as e:
-        resume_point.task_function(spec, base, "{}")
+        verify_resume_policy(store, "r1")
     msg = str(e.value)
     assert "runs/r1/policy/v0003" in msg and "model.safetensors" in msg
     assert "newest earlier version whose hashes verify is runs/r1/policy/v0002" in msg
     os.remove(tmp_path / "store" / "runs/r1/policy/v0003" / "MANIFEST.json")
+    verify_resume_policy(store, "r1")
     assert resume_point.task_function(spec, base, "{}").key == "runs/r1/policy/v0002"

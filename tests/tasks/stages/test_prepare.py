@@ -79,6 +79,26 @@ def test_a_100000_character_row_never_reaches_the_workers(tmp_path, tiny_model_d
     assert len(train) == 10 and train["prompt"].str.len().max() <= context - 6
 
 
+def test_a_line_over_max_line_bytes_is_dropped_counted_and_logged(tmp_path, tiny_model_dir, monkeypatch):
+    """Was: the file was read whole before any line was measured (one appended 1 GB line took the task
+    past 8 GiB); data.max_line_bytes now drops such a line unread, and the run says so like it says
+    over-long prompts: the manifest, the skipped-rows report and data/dropped_long_lines."""
+    from infra import tracking
+    from infra.store import ArtifactStore
+
+    uri = _prompts_file(tmp_path, _rows(10))
+    with open(uri, "a") as f:
+        f.write(json.dumps({"prompt": "9" * 5000 + "+1=", "domain": "math", "answer": "1"}) + "\n")
+    spec, ref = _dataset(tmp_path, tiny_model_dir, monkeypatch,
+                         {"sources": [{"kind": "file", "uri": uri, "eval_uri": uri}], "max_line_bytes": 4096})
+    meta = ArtifactStore(spec.store_uri).manifest(ref.train_key).metadata
+    assert meta["rows"] == 10 and meta["long_lines"] == 2 and meta["long_prompts"] == 0   # the file is read twice: train and eval
+    assert "1 line(s) longer than data.max_line_bytes=4096 bytes dropped unread" in meta["long_lines_report"][0]
+    assert "line 11" in meta["long_lines_report"][0] and any("data.max_line_bytes" in p for p in meta["skipped_rows"])
+    metrics = tracking.client(spec.tracking_uri).get_run(spec.mlflow_run_id).data.metrics
+    assert metrics["data/dropped_long_lines"] == 2.0
+
+
 def test_domain_weights_absent_from_a_file_are_refused_when_the_dataset_is_built(tmp_path, tiny_model_dir, monkeypatch):
     """Was: refused only by mix_domains in the rollout task, after Ray started."""
     uri = _prompts_file(tmp_path, _rows(20))
@@ -114,3 +134,11 @@ def test_a_fine_tune_logged_to_a_file_prints_progress_lines(tiny_policy, capsys,
         assert all("loss" in line and "s left)" in line for line in lines)
         assert all(0.0 < float(line.split()[4]) < 10.0 for line in lines)   # the step's loss (char vocabulary)
         assert metrics["bootstrap/steps"] == 4
+
+
+def test_a_domain_no_reward_can_score_is_refused_before_any_cluster(tmp_path, tiny_model_dir, monkeypatch):
+    """Was: its rows trained on reward 0 (each flagged 'no reward function') and the run exited 0 (issue 60)."""
+    uri = _prompts_file(tmp_path, _rows(10) + _rows(10, domain="poetry"))
+    with pytest.raises(ValueError, match=r"data \(train split .*\): no reward can score domain 'poetry': no reward function "
+                                         r"for domain 'poetry'.*reward\.functions"):
+        _dataset(tmp_path, tiny_model_dir, monkeypatch, {"sources": [{"kind": "file", "uri": uri, "eval_size": 4}]})

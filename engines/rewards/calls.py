@@ -1,0 +1,225 @@
+"""Reward-function calls in worker processes, so a call that hangs is ended, not abandoned.
+
+`RewardCalls` runs every per-sample reward call (`fn(response, sample) -> float`) in a pool of worker
+processes (`pebble.ProcessPool`, forked from a fork server: neither the caller's threads, such as a
+Ray actor's, nor its imports are copied into them). `RewardCalls.run` submits a batch of calls at once
+and collects them, the pool's processes running them in parallel:
+
+- each call has a timeout (`reward.timeout_s`): past it, its process is killed (and a fresh one
+  started) and the sample scores 0 with an error that names the reward function;
+- a call that kills its process (`os._exit`, a segfault, the kernel's OOM killer) costs only its
+  sample, flagged with the exit code;
+- the batch has a budget (`reward.budget_s`): past it, the calls still running are killed and those
+  not started are not run, each flagged -- scoring a batch never takes longer than the budget;
+- a reward is a real, finite number within the declared bounds (`check_value`): `inf`, NaN, a
+  string, None or anything else is the sample's error, never a score.
+
+The function travels to the worker pickled by cloudpickle: a registered or importable function by
+reference, a lambda or closure by value (so it must not hold a lock, an open file or a thread).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import hashlib
+import math
+import multiprocessing
+import numbers
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import cloudpickle
+import pebble
+
+from engines.rewards import RewardResult
+from engines.sandbox.isolation import SandboxUnavailable
+
+RewardFn = Callable[[str, dict], float]
+MAX_ABS = 1e6   # reward.max_abs's default: a larger reward is a bug (1e30 overflows the advantage's float32 std)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One reward call: `name` says which function it is in errors (a registered name or module:function)."""
+
+    name: str
+    fn: RewardFn
+    response: str
+    sample: dict
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a batch of calls may take and return (the config's `reward` section)."""
+
+    timeout_s: float = 5.0                       # one call
+    budget_s: float = 600.0                      # the whole batch
+    bounds: tuple[float, float] = (-MAX_ABS, MAX_ABS)
+    sandbox: dict = field(default_factory=dict)  # engines.sandbox.runner.configure's keyword arguments
+
+
+def check_value(raw, bounds: tuple[float, float] = (-MAX_ABS, MAX_ABS)) -> float:
+    """`raw` as a float, or ValueError / TypeError saying why it is not a reward: it must be a real
+    number (int, float, bool, numpy scalar; not a string, None, a tensor or a list), finite, and
+    within `bounds` (inclusive)."""
+    if not isinstance(raw, numbers.Real):
+        shown = repr(raw)[:80]
+        raise TypeError(f"reward is {type(raw).__name__} {shown}, expected a finite number")
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(f"reward is {value}, expected a finite number")
+    lo, hi = bounds
+    if not lo <= value <= hi:
+        raise ValueError(f"reward {value:g} is outside [{lo:g}, {hi:g}] (reward.max_abs / reward.bounds)")
+    return value
+
+
+# -- the worker process side ----------------------------------------------------------------------
+
+_FUNCTIONS: dict[bytes, RewardFn] = {}   # a worker's unpickled functions, by the digest of their pickle
+_DEADLINE: list[float] = []              # time.monotonic() at which the running call is killed
+
+
+def call_time_left() -> float | None:
+    """Seconds before the running reward call is killed, in a `RewardCalls` worker; None elsewhere. A
+    reward that runs its own timed work (the code reward's sandbox) keeps inside it."""
+    return _DEADLINE[0] - time.monotonic() if _DEADLINE else None
+
+
+def _worker_init() -> None:
+    """Die with the fork server, which exits when the pool's process does (even one killed by SIGKILL,
+    as a replaced Ray actor is): a worker stuck in a reward call would otherwise outlive its pool. The
+    server exits once every holder of its "alive" pipe's write end is gone, and multiprocessing hands
+    that end to each child it forks, so the worker closes its copy. SIGTERM (the pool ending a call)
+    raises SystemExit, so `finally` blocks below -- the sandbox's kill of its process tree -- still run."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(143)))
+
+
+def _call(blob: bytes, response: str, sample: dict, limits: Limits) -> tuple[str, object, str | None]:
+    """In a worker: ("ok", value, isolation) or ("error", text, None). Raises only SandboxUnavailable."""
+    from engines.sandbox.runner import configure
+
+    key = hashlib.sha256(blob).digest()
+    try:
+        fn = _FUNCTIONS.get(key) or _FUNCTIONS.setdefault(key, cloudpickle.loads(blob))
+    except Exception as e:  # noqa: BLE001 -- a function that cannot be rebuilt here costs its samples
+        return "error", f"cannot load the reward function in a worker process ({type(e).__name__}: {e})"[:500], None
+    configure(**limits.sandbox)
+    _DEADLINE[:] = [time.monotonic() + limits.timeout_s]
+    try:
+        raw = fn(response, sample)
+        return "ok", check_value(raw, limits.bounds), getattr(raw, "isolation", None)
+    except SandboxUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any reward bug costs only this sample
+        return "error", f"{type(e).__name__}: {e}"[:500], None
+    except SystemExit:   # the pool's SIGTERM, once the call's `finally` blocks have run: end now, not in 3 s
+        os._exit(143)
+    finally:
+        _DEADLINE.clear()
+
+
+# -- the caller's side ----------------------------------------------------------------------------
+
+class RewardCalls:
+    """A pool of `processes` worker processes that run reward calls (module docstring). Started on
+    first use; `close` ends it."""
+
+    def __init__(self, processes: int = 2):
+        self.processes = processes
+        self._pool: pebble.ProcessPool | None = None
+        self._blobs: dict[RewardFn, bytes] = {}
+        self._lock = threading.Lock()   # callers in several threads (the rollout scheduler's reward side) share one pool
+
+    def _started(self) -> pebble.ProcessPool:
+        with self._lock:
+            if self._pool is None or not self._pool.active:
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(["__main__", "engines.rewards.calls"])   # main once, in the server
+                self._pool = pebble.ProcessPool(max_workers=self.processes, initializer=_worker_init, context=ctx)
+            return self._pool
+
+    def _blob(self, fn: RewardFn) -> bytes:
+        if fn not in self._blobs:
+            self._blobs[fn] = cloudpickle.dumps(fn)
+        return self._blobs[fn]
+
+    def run(self, calls: list[Call], limits: Limits = Limits()) -> list[RewardResult]:
+        """One `RewardResult` per call, in order; never raises, except `SandboxUnavailable` (model code
+        must not run here at all: the whole scoring fails with the reason and the fix)."""
+        if not calls:
+            return []
+        pool, t0 = self._started(), time.perf_counter()
+        futures, out = [], [None] * len(calls)
+        for i, c in enumerate(calls):
+            try:
+                blob = self._blob(c.fn)
+            except Exception as e:  # noqa: BLE001 -- e.g. a closure over a lock
+                out[i] = RewardResult(0.0, f"reward function {c.name!r} cannot be sent to a worker process "
+                                           f"({type(e).__name__}: {e}); define it at module level"[:500], 0.0)
+                futures.append(None)
+                continue
+            futures.append(pool.schedule(_call, args=(blob, c.response, c.sample, limits), timeout=limits.timeout_s))
+        live = [f for f in futures if f is not None]
+        _, late = cf.wait(live, timeout=limits.budget_s)
+        for f in late:
+            f.cancel()   # a running call's process is killed; a queued one never starts
+        for i, (c, f) in enumerate(zip(calls, futures)):
+            if f is None:
+                continue
+            if f in late:
+                out[i] = RewardResult(0.0, f"reward function {c.name!r}: not scored within the batch budget of "
+                                           f"{limits.budget_s:g}s (reward.budget_s)", time.perf_counter() - t0)
+                continue
+            out[i] = self._result(c, f, limits)
+        return out
+
+    @staticmethod
+    def _result(c: Call, f: cf.Future, limits: Limits) -> RewardResult:
+        try:
+            status, value, isolation = f.result()
+        except SandboxUnavailable:
+            raise
+        except cf.TimeoutError:
+            return RewardResult(0.0, f"timeout after {limits.timeout_s:g}s in reward function {c.name!r} "
+                                     "(reward.timeout_s; its process was killed)", limits.timeout_s)
+        except pebble.ProcessExpired as e:
+            return RewardResult(0.0, f"reward function {c.name!r} killed its worker process (exit code {e.exitcode})", 0.0)
+        except cf.CancelledError:
+            return RewardResult(0.0, f"reward function {c.name!r}: call cancelled", 0.0)
+        except Exception as e:  # noqa: BLE001 -- e.g. arguments or a result that do not pickle
+            return RewardResult(0.0, f"reward function {c.name!r}: {type(e).__name__}: {e}"[:500], 0.0)
+        if status == "error":
+            return RewardResult(0.0, value, 0.0)
+        return RewardResult(value, None, 0.0, isolation)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
+
+    def __enter__(self) -> "RewardCalls":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
