@@ -11,6 +11,12 @@ and collects them, the pool's processes running them in parallel:
   sample, flagged with the exit code;
 - the batch has a budget (`reward.budget_s`): past it, the calls still running are killed and those
   not started are not run, each flagged -- scoring a batch never takes longer than the budget;
+- once a function has failed on more than `reward.max_error_rate` of its calls in the batch, its
+  calls not yet started are not run (flagged): this batch is already over the error-rate limit for
+  it (engines/rewards/routing.py `check_error_rate` fails the run; when a scoring call is split over
+  several reward workers the limit is checked on the whole table, which a worker's share can exceed
+  alone), so a function that always hangs costs about max_error_rate x its calls / processes
+  timeouts, not all of them;
 - a reward is a real, finite number within the declared bounds (`check_value`): `inf`, NaN, a
   string, None or anything else is the sample's error, never a score.
 
@@ -61,6 +67,7 @@ class Limits:
     budget_s: float = 600.0                      # the whole batch
     bounds: tuple[float, float] = (-MAX_ABS, MAX_ABS)
     sandbox: dict = field(default_factory=dict)  # engines.sandbox.runner.configure's keyword arguments
+    max_error_rate: float = 1.0                  # a function failed on more of its calls: the rest are not run
 
 
 def check_value(raw, bounds: tuple[float, float] = (-MAX_ABS, MAX_ABS)) -> float:
@@ -179,19 +186,57 @@ class RewardCalls:
                 futures.append(None)
                 continue
             futures.append(pool.schedule(_call, args=(blob, c.response, c.sample, limits), timeout=limits.timeout_s))
-        live = [f for f in futures if f is not None]
-        _, late = cf.wait(live, timeout=limits.budget_s)
-        for f in late:
-            f.cancel()   # a running call's process is killed; a queued one never starts
+        late, given_up = self._wait(calls, futures, limits)
         for i, (c, f) in enumerate(zip(calls, futures)):
             if f is None:
                 continue
-            if f in late:
+            if f in given_up:
+                out[i] = RewardResult(0.0, f"reward function {c.name!r}: not run, it already failed on "
+                                           f"{given_up[f]} of this batch's calls (over reward.max_error_rate)", 0.0)
+            elif f in late:
                 out[i] = RewardResult(0.0, f"reward function {c.name!r}: not scored within the batch budget of "
                                            f"{limits.budget_s:g}s (reward.budget_s)", time.perf_counter() - t0)
-                continue
-            out[i] = self._result(c, f, limits)
+            else:
+                out[i] = self._result(c, f, limits)
         return out
+
+    def _wait(self, calls: list[Call], futures: list, limits: Limits) -> tuple[set, dict]:
+        """Wait for `futures` within the budget: (those still unfinished at its end, killed or never started;
+        {future: "N of M"} of a function's calls not run because it had already failed on more than
+        `limits.max_error_rate` of its M calls -- no more time is spent on it)."""
+        deadline = time.monotonic() + limits.budget_s
+        per_fn: dict[str, list] = {}
+        for c, f in zip(calls, futures):
+            if f is not None:
+                per_fn.setdefault(c.name, []).append(f)
+        failed = dict.fromkeys(per_fn, 0)
+        name_of = {f: c.name for c, f in zip(calls, futures) if f is not None}
+        pending, given_up = set(name_of), {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                if f in given_up or not self._failed(f):
+                    continue
+                name = name_of[f]
+                failed[name] += 1
+                total = len(per_fn[name])
+                if failed[name] > limits.max_error_rate * total:
+                    for other in per_fn[name]:
+                        if other in pending and other.cancel():   # a queued call never starts
+                            given_up[other] = f"{failed[name]} of {total}"
+                    pending -= set(given_up)
+        for f in pending:
+            f.cancel()   # past the budget: a running call's process is killed; a queued one never starts
+        return pending, given_up
+
+    @staticmethod
+    def _failed(f: cf.Future) -> bool:
+        if f.cancelled() or f.exception() is not None:
+            return True
+        return f.result()[0] == "error"
 
     @staticmethod
     def _result(c: Call, f: cf.Future, limits: Limits) -> RewardResult:

@@ -77,7 +77,7 @@ def score_samples(items: list[Item], reward: RewardConfig, calls: RewardCalls, m
     sandbox = {"allow_weaker": box.allow_weaker, "max_disk_mb": box.max_disk_mb, "max_files": box.max_files}
     configure(**sandbox)   # for the model rewards, which run in this process
     limits = Limits(timeout_s=reward.timeout_s, budget_s=reward.budget_s, bounds=(-reward.max_abs, reward.max_abs),
-                    sandbox=sandbox)
+                    sandbox=sandbox, max_error_rate=reward.max_error_rate)
     out: list = [None] * len(items)
     batched: dict[str, list[int]] = {}   # model reward name -> indices of its items
     queued: list[tuple[int, Call]] = []

@@ -129,3 +129,16 @@ def test_a_killed_caller_leaves_no_worker_behind(tmp_path):
         assert not alive, f"worker {worker.pid} outlived its killed caller"
     finally:
         caller.kill()
+
+
+def test_a_function_over_the_error_rate_is_not_run_further(calls):
+    """Twenty calls of a function that always hangs, with reward.max_error_rate 0.5: once 11 of its 20 have failed the
+    rest are not started (the batch is over the limit for it), so it costs ~6 rounds of timeouts instead of 10."""
+    out = calls.run([_call(hostile.hang) for _ in range(20)] + [_call(exact_match_reward, "1", {"answer": "1"})],
+                    Limits(timeout_s=0.3, max_error_rate=0.5))
+    timeouts = [o for o in out[:20] if "timeout after 0.3s" in o.error]
+    skipped = [o for o in out[:20] if "not run, it already failed on 11 of 20" in o.error]
+    assert 11 <= len(timeouts) <= 12 and len(timeouts) + len(skipped) == 20   # 12: the two processes finish together
+    assert "over reward.max_error_rate" in skipped[0].error and out[20].reward == 1.0
+    out = calls.run([_call(hostile.boom) for _ in range(4)], Limits(max_error_rate=1.0))   # 1: every call runs
+    assert all(o.error.startswith("ValueError") for o in out)
