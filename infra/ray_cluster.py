@@ -33,7 +33,7 @@ from flytekitplugins.ray.task import RayFunctionTask
 from rich.console import Console
 
 from configs.schema import FlyrollConfig
-from infra.ray_session import is_local_execution, ray_mode, shutdown
+from infra.ray_session import equal_worker_priority, is_local_execution, ray_mode, shutdown
 from infra.resources import FlyrollRayJobConfig, packaged_config, stage_ray_job
 
 _OBJECT_STORE_MB = {"head": 512, "worker": 256}   # per local node (memory-backed /dev/shm)
@@ -136,6 +136,7 @@ def start_local_cluster(nodes: list[dict], temp_dir: str, log_to_driver: bool = 
     # token, its GCS never came up ("Timed out waiting for file .../gcs_server_port_...")
     enable_token_auth_by_default()
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    equal_worker_priority()   # its raylets start the actors at this process's priority, not 15 nice levels below
     cluster = Cluster(initialize_head=False, shutdown_at_exit=True)
     try:
         # no entry in /tmp/ray/ray_current_cluster: `Cluster` writes its head's address there "for unit
@@ -207,6 +208,8 @@ class FlyrollRayTask(RayFunctionTask):
     def pre_execute(self, user_params: ExecutionParameters) -> ExecutionParameters:
         if self._per_task():
             return user_params          # the cluster starts in execute(), where the run's config is known
+        if is_local_execution():
+            equal_worker_priority()     # the plugin's ray.init() starts the run's local Ray: actors at our priority
         return super().pre_execute(user_params)
 
     def execute(self, **kwargs):

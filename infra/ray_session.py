@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 
-from engines.models.threads import child_env
+from engines.models.threads import NICE_ENV, child_env, niceness
 
 MODES = ("shared", "per-task")  # FLYROLL_RAY: one local Ray instance for the run, or a cluster per task
+WORKER_NICENESS = "RAY_worker_niceness"  # how many nice levels below its raylet Ray starts a worker (default 15)
 
 
 def ray_mode() -> str:
@@ -55,23 +56,46 @@ def shared_local_ray() -> bool:
     return is_local_execution() and ray_mode() == "shared"
 
 
+def equal_worker_priority() -> None:
+    """Give the workers of a Ray that this process starts (local runs: the shared instance, a per-task
+    cluster) this process's CPU priority: Ray starts every worker, so every actor, RAY_worker_niceness
+    (default 15) nice levels below its raylet, and beside a nice-0 job sharing its cores a nice-15
+    actor gets 36/1060 of a core (the tiny run's stages were 13-20x slower beside one 2-thread torch
+    job, the bootstrap in this process 1.5x; engines/models/threads.py). Sets RAY_worker_niceness=0 in
+    this process's environment, which the raylet it starts reads; a user's own value is kept. Call it
+    before ray.init() starts Ray (connecting to a running one is unaffected: there each actor lowers
+    its own, `adopt_niceness`)."""
+    os.environ.setdefault(WORKER_NICENESS, "0")
+
+
+def actor_priority_env() -> dict[str, str]:
+    """FLYROLL_NICENESS for an actor's environment: this process's niceness, which the actor takes when
+    Ray started it at a higher one (engines/models/threads.py `adopt_niceness`: a cluster started
+    without RAY_worker_niceness=0) -- none when the user set RAY_worker_niceness to something else,
+    asking for Ray's workers to run below this process."""
+    return {NICE_ENV: str(niceness())} if os.environ.get(WORKER_NICENESS, "0") == "0" else {}
+
+
 def ensure_ray() -> None:
     """Start/connect Ray when a task body runs outside the Ray plugin (e.g. unit tests)."""
     import ray
 
     if not ray.is_initialized():
+        equal_worker_priority()
         ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
 
 
 def actor_pool(actor_cls, role: str, count: int, run_id: str, init_kwargs: dict, options: dict) -> list:
     """`count` actors of `actor_cls` for `role`; reused across tasks of a local run (named, per run).
-    Each actor process starts with the passive OpenMP wait policy and its torch thread count
-    (`init_kwargs["threads"]`, when it takes one) in its environment, set before it loads torch
-    (engines/models/threads.py `child_env`)."""
+    Each actor process starts with the passive OpenMP wait policy, its torch thread count
+    (`init_kwargs["threads"]`, when it takes one; engines/models/threads.py `child_env`) and this
+    process's niceness (`actor_priority_env`) in its environment, set before it loads torch; the
+    engine actors take the niceness and the threads first thing (tasks/actors/process.py `engine_process`)."""
 
     ensure_ray()
     runtime_env = dict(options.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**child_env(init_kwargs.get("threads"), options.get("num_cpus")), **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**child_env(init_kwargs.get("threads"), options.get("num_cpus")), **actor_priority_env(),
+                               **runtime_env.get("env_vars", {})}
     options = {**options, "runtime_env": runtime_env}
     actors = []
     for i in range(count):

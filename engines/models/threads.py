@@ -15,7 +15,18 @@ threads beside one other job, against 0.42 s with a passive wait policy (docs/be
 2. uses at most as many threads as it has cores (`thread_count`): the request, capped by the CPUs
    it may run on (`os.sched_getaffinity`), its cgroup CPU quota (`/sys/fs/cgroup/cpu.max`, or
    cgroup v1's cfs quota), its Ray CPU reservation, a user's OMP_NUM_THREADS and
-   FLYROLL_MAX_TORCH_THREADS.
+   FLYROLL_MAX_TORCH_THREADS;
+3. asks for one thread when its model is small (`model_threads`: hidden size under SMALL_WIDTH): a
+   tiny model's ops are too small to split, and each of the thousands of parallel regions of its step
+   waits at a barrier for its slowest thread, which on cores another job shares is often not running
+   (the Ray actors decide it where they are created, tasks/actors/process.py `actor_threads`);
+4. runs at the CPU priority (niceness) of the process that started the run (`adopt_niceness`): Ray
+   starts every worker process, so every actor, 15 nice levels below its raylet (RAY_worker_niceness),
+   and at nice 15 a process gets 36/1060 of a core that a nice-0 process also wants (the kernel's
+   weights): the tiny run's stages in Ray actors were 13-20x slower beside one other job while the
+   bootstrap, in the workflow's own process, was 1.5x (docs/benchmarks.md, "Contention"). A local
+   Ray that flyroll starts gives its workers the raylet's niceness (infra/ray_session.py
+   `equal_worker_priority`); an actor on a cluster started elsewhere lowers its own here when allowed.
 
 A user's explicit OMP_WAIT_POLICY (then none of ours is set), GOMP_SPINCOUNT or KMP_BLOCKTIME is kept. Plain
 Python and os only, so it can run before anything else is imported.
@@ -31,6 +42,12 @@ from collections.abc import Callable, Mapping, MutableMapping
 
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 MAX_ENV = "FLYROLL_MAX_TORCH_THREADS"  # an operator's cap for every process of a run (e.g. a shared CI box)
+NICE_ENV = "FLYROLL_NICENESS"  # the niceness of the process that started this one (`adopt_niceness`)
+# Below this hidden size a model's ops are too small to split over threads: the tiny preset's 128 ran its
+# RL stages at least as fast on one thread as on two, idle and beside a 2-thread torch job (rollout 0.31
+# against 0.47 s idle, 0.53 against 0.92 s beside it; benchmarks/contention.py). From it on the run's
+# run.torch_threads is kept: SmolLM2 (576) and wider models split their matmuls well.
+SMALL_WIDTH = 512
 CPU_MAX = "/sys/fs/cgroup/cpu.max"                                                    # cgroup v2
 CFS = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")  # cgroup v1
 
@@ -107,6 +124,23 @@ def thread_count(requested: int | None = None, ray_cpus: float | None = None, *,
     return max(1, int(n))
 
 
+def model_threads(requested: int | None, hidden_size: int | None, environ: Mapping[str, str] | None = None) -> int | None:
+    """The torch threads to ask for in a process whose work is a model of width `hidden_size`: 1 when
+    it is under SMALL_WIDTH, else `requested` (None: as many as the process may use). Small ops gain
+    nothing from a second thread and lose most to it when the cores are shared: every parallel region
+    ends at a barrier that waits for the slowest thread, and beside another busy job that thread is
+    often not running (the tiny policy, width 128: see SMALL_WIDTH). A user's OMP_NUM_THREADS in `environ`
+    (default os.environ) decides instead of the width (`requested` then, capped by it), and
+    FLYROLL_MAX_TORCH_THREADS still caps whatever is asked: the caller caps the result by the cores
+    (`thread_count` here, `child_env` for a Ray actor). `hidden_size` None (not known before the model
+    loads): `requested`. Call it where the user's environment is the process's own (the driver that
+    creates the actors; an actor's OMP_NUM_THREADS is flyroll's)."""
+    environ = os.environ if environ is None else environ
+    if hidden_size is not None and hidden_size < SMALL_WIDTH and _env_int(environ, "OMP_NUM_THREADS") is None:
+        return 1
+    return requested
+
+
 def set_torch_threads(requested: int | None = None, ray_cpus: float | None = None) -> int:
     """`torch.set_num_threads(thread_count(requested, ray_cpus))`; returns the count. Imports torch:
     call `set_wait_policy()` (the entry modules do) before the process first imports it."""
@@ -131,6 +165,36 @@ def inherit_threads() -> Callable[[], None]:
         return lambda: None
     n = torch.get_num_threads()
     return lambda: torch._C.set_num_threads(n)
+
+
+def niceness() -> int:
+    """This process's niceness (0 = the default priority; 19 = the lowest)."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def adopt_niceness(environ: Mapping[str, str] | None = None) -> int | None:
+    """Lower this process's niceness to FLYROLL_NICENESS in `environ` (default os.environ; a Ray actor's
+    creator sets it to its own, infra/ray_session.py `actor_pool`) when it runs at a higher one: a Ray worker on a cluster started without
+    RAY_worker_niceness=0 runs 15 levels below its raylet, and beside a nice-0 job on its cores gets a
+    sliver of them. Lowering needs the privilege (root, CAP_SYS_NICE or RLIMIT_NICE): without it this
+    warns, naming the fix, and the process keeps its niceness. Returns the niceness now; None when
+    FLYROLL_NICENESS is not set (nothing asked)."""
+    environ = os.environ if environ is None else environ
+    try:
+        wanted = int(environ[NICE_ENV])
+    except (KeyError, ValueError):
+        return None
+    now = niceness()
+    if now > wanted:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
+        except OSError as e:
+            warnings.warn(f"engines.models.threads.adopt_niceness: this process runs at nice {now} (a Ray worker: "
+                          f"RAY_worker_niceness) and may not take its starter's {wanted} ({e.strerror}): beside another "
+                          "job on its cores it gets a fraction of them. Start the Ray cluster with RAY_worker_niceness=0 "
+                          "in its environment", stacklevel=2)
+        now = niceness()
+    return now
 
 
 def child_env(requested: int | None = None, ray_cpus: float | None = None) -> dict[str, str]:

@@ -12,7 +12,7 @@ import threading
 
 import ray
 
-from tasks.actors.process import engine_process, placed
+from tasks.actors.process import actor_threads, engine_process, placed
 from tasks.actors.sync_roles import GroupMember
 
 # Everything else is imported inside the actor's methods, on purpose: an actor's process sets its torch
@@ -26,7 +26,7 @@ def generation_worker_kwargs(cfg) -> dict:
     from infra.resources import role_devices
 
     r, devices = cfg.rollout, role_devices(cfg, "actor_infer")
-    return {"threads": cfg.run.torch_threads, "micro_batch": r.micro_batch, "engine": r.engine, "compile_decode": r.hf_compile_decode,
+    return {"threads": actor_threads(cfg), "micro_batch": r.micro_batch, "engine": r.engine, "compile_decode": r.hf_compile_decode,
             "pack_weights": r.hf_pack_weights, "devices": devices,
             "vllm_options": {"kv_cache_gb": r.vllm_kv_cache_gb, "seed": cfg.run.seed, "dtype": devices["actor_infer"][1]}
             if r.engine == "vllm" else {}}

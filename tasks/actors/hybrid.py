@@ -34,6 +34,7 @@ from infra.ray_session import actor_pool, shared_local_ray
 from infra.resources import actor_options_for, role_devices
 from tasks.actors.train import TrainWorker
 from tasks.actors.generation import GenerationWorker, generation_worker_kwargs
+from tasks.actors.process import actor_threads
 from tasks.actors.reference import ReferenceWorker
 
 HOSTED = {"actor_train": TrainWorker, "actor_infer": GenerationWorker, "reference": ReferenceWorker}
@@ -56,7 +57,7 @@ def role_kwargs(cfg, role: str) -> dict:
     for its own actor and for its part of a hybrid worker."""
     if role == "actor_infer":
         return generation_worker_kwargs(cfg)
-    return {"threads": cfg.run.torch_threads, "devices": role_devices(cfg, role, "critic")}
+    return {"threads": actor_threads(cfg), "devices": role_devices(cfg, role, "critic")}
 
 
 def part_kwargs(cfg) -> dict[str, dict]:
@@ -71,7 +72,7 @@ def hybrid_workers(cfg, run_id: str) -> list:
     options = [actor_options_for(cfg, r, local) for r in hybrid_roles(cfg)]
     merged = {k: sum(o.get(k, 0) for o in options) for k in ("num_cpus", "num_gpus") if any(k in o for o in options)}
     return actor_pool(HybridWorker, "hybrid", cfg.training.num_workers, run_id,
-                      {"threads": cfg.run.torch_threads, "parts": part_kwargs(cfg)}, merged)
+                      {"threads": actor_threads(cfg), "parts": part_kwargs(cfg)}, merged)
 
 
 def role_actors(cfg, run_id: str, role: str) -> list:

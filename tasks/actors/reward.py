@@ -25,6 +25,9 @@ class RewardWorker:
 
     def __init__(self, threads: int = 4):
         from engines.rewards.models import ModelRewards
+        from tasks.actors.process import actor_process
+
+        actor_process()   # its creator's CPU priority, before its reward processes start (they inherit it)
 
         self.pool = cf.ThreadPoolExecutor(max_workers=threads)   # the model rewards' timed calls
         self.model_rewards = ModelRewards(self.pool)

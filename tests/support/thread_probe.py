@@ -19,3 +19,16 @@ class ThreadProbe:
 
     def seen(self) -> dict:
         return {**self.at_start, "torch_threads": self.torch_threads}
+
+
+def look_inside(_actor) -> dict:
+    """Run inside any actor (`handle.__ray_call__.remote(look_inside)`, tests/tasks/actors/test_process_every_actor.py):
+    the environment its process was started with (/proc/self/environ: before any import), its niceness,
+    and torch's thread count (None when the process has not loaded torch)."""
+    import sys
+
+    with open("/proc/self/environ", "rb") as f:
+        start = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
+    torch = sys.modules.get("torch")
+    return {"start": start, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "torch_threads": torch.get_num_threads() if torch is not None else None}

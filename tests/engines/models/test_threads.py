@@ -43,6 +43,67 @@ def test_thread_count_caps(requested, ray_cpus, affinity, quota, environ, expect
     assert threads.thread_count(requested, ray_cpus, affinity=affinity, quota=quota, environ=environ) == expected
 
 
+@pytest.mark.parametrize("requested, width, environ, expected", [
+    (2, 128, {}, 1),                            # the tiny preset's policy: one thread, whatever run.torch_threads asks
+    (2, threads.SMALL_WIDTH - 1, {}, 1),
+    (2, threads.SMALL_WIDTH, {}, 2),            # from SMALL_WIDTH on: as asked
+    (4, 576, {}, 4),                            # SmolLM2
+    (None, 128, {}, 1),
+    (None, 576, {}, None),                      # as many as the process may use (`thread_count` decides)
+    (2, None, {}, 2),                           # width not known before the model loads: as asked
+    (2, 128, {"OMP_NUM_THREADS": "2"}, 2),      # the user's explicit count decides, not the width
+    (2, 128, {"OMP_NUM_THREADS": "junk"}, 1),
+    (2, 128, {"FLYROLL_MAX_TORCH_THREADS": "4"}, 1),   # a cap asks for nothing
+])
+def test_model_threads_one_for_a_small_model_unless_the_user_chose(requested, width, environ, expected):
+    assert threads.model_threads(requested, width, environ) == expected
+
+
+def test_model_threads_stay_under_every_cap():
+    """What the callers do with it (`thread_count`, `child_env`): the operator's and the user's caps still hold."""
+    caps = {"FLYROLL_MAX_TORCH_THREADS": "1"}
+    assert threads.thread_count(threads.model_threads(4, 576, caps), affinity=8, quota=None, environ=caps) == 1
+    user = {"OMP_NUM_THREADS": "4"}
+    assert threads.thread_count(threads.model_threads(2, 128, user), affinity=8, quota=None, environ=user) == 2
+    assert threads.thread_count(threads.model_threads(8, 128, user), affinity=2, quota=None, environ=user) == 2
+
+
+def test_adopt_niceness_lowers_to_the_starters_never_raises_and_says_when_it_may_not():
+    """In a child process (a niceness, once raised, may not come back down without the privilege): raised by
+    2, it takes its starter's back, or -- where the system refuses (no root, CAP_SYS_NICE or RLIMIT_NICE) --
+    keeps its own and warns, naming the fix."""
+    probe = ("import os, warnings\n"
+             "from engines.models.threads import adopt_niceness\n"
+             "base = os.getpriority(os.PRIO_PROCESS, 0)\n"
+             "unasked = adopt_niceness({})\n"
+             "higher = adopt_niceness({'FLYROLL_NICENESS': str(base + 5)})\n"
+             "os.nice(2)\n"
+             "with warnings.catch_warnings(record=True) as w:\n"
+             "    warnings.simplefilter('always')\n"
+             "    now = adopt_niceness({'FLYROLL_NICENESS': str(base)})\n"
+             "print([base, unasked, higher, now, [str(x.message) for x in w]])\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env={**CLEAN, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    base, unasked, higher, now, said = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert unasked is None and higher == base            # nothing asked; never raised to a starter's higher one
+    if now == base:                                      # lowered (root, CAP_SYS_NICE or RLIMIT_NICE)
+        assert not said
+    else:
+        assert now == base + 2 and len(said) == 1 and "RAY_worker_niceness=0" in said[0], said
+
+
+def test_adopt_niceness_refused_keeps_the_process_as_it_is_and_names_the_fix(monkeypatch):
+    """An unprivileged actor on a cluster started with Ray's default worker niceness (15)."""
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(threads, "niceness", lambda: 15)
+    monkeypatch.setattr(threads.os, "setpriority", refuse)
+    with pytest.warns(UserWarning, match=r"nice 15 .* its starter's 0 \(Operation not permitted\).*RAY_worker_niceness=0"):
+        assert threads.adopt_niceness({threads.NICE_ENV: "0"}) == 15
+
+
 def test_cgroup_quota_files(tmp_path):
     v2 = tmp_path / "cpu.max"
     none = (str(tmp_path / "q"), str(tmp_path / "p"))
