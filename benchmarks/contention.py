@@ -4,7 +4,7 @@ beside a competing job, under the thread policy before and after flyroll's (engi
     python -m benchmarks.contention                                   # bootstrap steps, RL stages, a shortened default run
     python -m benchmarks.contention --skip-run --repeats 3            # the bootstrap's steps and the stages only
     python -m benchmarks.contention --skip-bootstrap --skip-stages --preset --timeout 3000   # the whole default run
-    python -m benchmarks.contention --load-only 1800                  # only the competitor, in the foreground
+    python -m benchmarks.contention --load-only 1800                  # only the competitor (this process becomes it)
 
 The competitor (`--competitor`, default `torch`): a 2-thread torch matrix-multiply loop (1024 x 1024,
 `--load-threads`) in a separate process with OpenMP's defaults (its threads spin between matmuls),
@@ -106,12 +106,17 @@ def clean_env(policy: str) -> dict[str, str]:
     return env
 
 
-def competitor(kind: str, threads: int, limit: float) -> subprocess.Popen:
-    """The competing job, in this session, with OpenMP's defaults (none of flyroll's settings); ends by
+def competitor_command(kind: str, threads: int, limit: float) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the competing job: OpenMP's defaults (none of flyroll's settings); it ends by
     itself after `limit` s at the latest."""
     code = TORCH_LOAD.format(threads=threads, limit=limit) if kind == "torch" else BUSY.format(limit=limit)
-    env = {k: v for k, v in os.environ.items() if k not in OMP_VARS}
-    return subprocess.Popen([sys.executable, "-c", code], env=env)
+    return [sys.executable, "-c", code], {k: v for k, v in os.environ.items() if k not in OMP_VARS}
+
+
+def competitor(kind: str, threads: int, limit: float) -> subprocess.Popen:
+    """The competing job, started in this session (`competitor_command`)."""
+    argv, env = competitor_command(kind, threads, limit)
+    return subprocess.Popen(argv, env=env)
 
 
 def with_load(load: dict | None, fn):
@@ -232,15 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap-steps", type=int, default=60, help="model.bootstrap.steps of the shortened run (preset: 1500)")
     p.add_argument("--preset", action="store_true", help="the default run as the preset is, not shortened")
     p.add_argument("--timeout", type=float, default=1200, help="seconds before a measurement is given up (reported as > timeout)")
-    p.add_argument("--stage-timeout", type=float, default=300,
+    p.add_argument("--stage-timeout", type=float, default=600,
                    help="seconds for one stage measurement; past it, the iterations done so far count (reported), none: > timeout")
     for what in ("bootstrap", "stages", "run"):
         p.add_argument(f"--skip-{what}", action="store_true", help=f"leave out the {what} measurement")
     a = p.parse_args(argv)
     load = {"kind": a.competitor, "threads": a.load_threads, "limit": a.timeout + 60}
-    if a.load_only:
-        proc = competitor(**{**load, "limit": a.load_only})
-        return proc.wait()
+    if a.load_only:   # this process becomes the competitor (its pid is the competitor's: `kill` ends it)
+        argv, env = competitor_command(**{**load, "limit": a.load_only})
+        os.execve(argv[0], argv, env)
     policies = [x for x in a.policies.split(",") if x]
     what = f"a {a.load_threads}-thread torch matmul loop" if a.competitor == "torch" else "a pure-Python busy loop"
     print(f"machine: {os.cpu_count()} CPUs, affinity {len(os.sched_getaffinity(0))}, load average "
