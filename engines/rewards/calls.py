@@ -46,6 +46,7 @@ from engines.rewards import RewardResult
 from engines.sandbox.isolation import SandboxUnavailable
 
 RewardFn = Callable[[str, dict], float]
+NOT_RUN = "not run, it already failed on"   # the start of a call's error when the error-rate stop skipped it
 MAX_ABS = 1e6   # reward.max_abs's default: a larger reward is a bug (1e30 overflows the advantage's float32 std)
 
 
@@ -191,8 +192,8 @@ class RewardCalls:
             if f is None:
                 continue
             if f in given_up:
-                out[i] = RewardResult(0.0, f"reward function {c.name!r}: not run, it already failed on "
-                                           f"{given_up[f]} of this batch's calls (over reward.max_error_rate)", 0.0)
+                out[i] = RewardResult(0.0, f"reward function {c.name!r}: {NOT_RUN} {given_up[f]} of this batch's "
+                                           "calls (over reward.max_error_rate)", 0.0)
             elif f in late:
                 out[i] = RewardResult(0.0, f"reward function {c.name!r}: not scored within the batch budget of "
                                            f"{limits.budget_s:g}s (reward.budget_s)", time.perf_counter() - t0)

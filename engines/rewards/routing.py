@@ -24,7 +24,7 @@ from __future__ import annotations
 import typing
 
 from engines.rewards import get_reward
-from engines.rewards.calls import Call, Limits, RewardCalls, check_value
+from engines.rewards.calls import NOT_RUN, Call, Limits, RewardCalls, check_value
 from engines.rewards.models import MODEL_REWARDS, ModelRewards, RewardPlacement
 from engines.sandbox.runner import configure
 
@@ -127,7 +127,8 @@ def check_error_rate(rows: list[tuple[str, dict, str | None]], reward: RewardCon
         n[0] += 1
         if error is not None:
             n[1] += 1
-            example.setdefault(domain, (reward_name(domain, sample, reward.functions), str(error)))
+            if domain not in example or NOT_RUN in example[domain][1]:   # a real failure is the better example
+                example[domain] = (reward_name(domain, sample, reward.functions), str(error))
     for domain, (total, failed) in sorted(counts.items()):
         if failed and failed / total > reward.max_error_rate:
             name, error = example[domain]
