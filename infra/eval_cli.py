@@ -292,7 +292,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     from engines.rewards.evaluation import evaluate
     from engines.generation.engine import HFGenerationEngine
     from engines.models.modeling import load_policy
-    from engines.rewards.routing import RewardErrorRate, check_reward, reward_name
+    from engines.rewards.routing import RewardErrorRate, check_routes
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise EvalError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -311,14 +311,11 @@ def run_eval(args: argparse.Namespace) -> dict:
     set_torch_threads()  # as many as this process's cores, affinity and cgroup quota allow
     stop = stop_strings(args.stop, cfg)
     max_new_tokens = args.max_new_tokens or (cfg.rollout.max_new_tokens if args.config or args.overrides else 32)
-    names = {(str(d), reward_name(str(d), {"metadata": m}, cfg.reward.functions))
-             for d, m in zip(table["domain"], table["metadata"] if "metadata" in table.columns else [None] * len(table))}
-    for domain, name in sorted(names):
-        try:
-            check_reward(name, cfg.reward)
-        except KeyError as e:
-            via = "" if name == domain else f" (routed to {name!r})"
-            raise EvalError(f"--data {args.data!r}: domain {domain!r}{via}: {e.args[0]}") from e
+    metadata = table["metadata"] if "metadata" in table.columns else [None] * len(table)
+    try:   # the check make_dataset runs for a training run's data
+        check_routes([(d, {"metadata": m}) for d, m in zip(table["domain"], metadata)], cfg.reward, f"--data {args.data!r}")
+    except ValueError as e:
+        raise EvalError(str(e)) from e
 
     with tempfile.TemporaryDirectory(prefix="flyroll-eval-") as workdir:
         path, unchecked = resolve_model(args.model, args.store, workdir, args.unverified)
