@@ -185,3 +185,66 @@ def train_rows(d) -> int | None:
     if any(src.kind not in ("synthetic", "reasoning_gym", "ifeval") for src in d.sources):
         return None
     return sum(src.train_size or d.train_size for src in d.sources)
+
+
+# --- which workflow a config belongs to (workflows/rlvr.py and agentic.py, sft.py, dpo.py) -------------
+KINDS = ("sft", "dpo", "distill")
+
+
+def kind_of(cfg) -> str:
+    """"sft", "dpo" or "distill" (the section the config sets), else "rl"."""
+    return next((k for k in KINDS if getattr(cfg, k) is not None), "rl")
+
+
+def check_kind(cfg, kind: str) -> None:
+    """Refuse a config for another workflow (`kind` "rl", "sft", "dpo" or "distill"): an RL run with
+    an sft, dpo or distill section; a run of one of those kinds without its section, with another
+    kind's section too, with `env`, or with RL-only settings (`rl_only_settings`)."""
+    sections = [s for s in KINDS if getattr(cfg, s) is not None]
+    if kind == "rl":
+        if sections:
+            raise ValueError(f"this config sets the {sections[0]} section: it is a {sections[0].upper()} run; start it with "
+                             f"`pyflyte run workflows/{sections[0]}.py {sections[0]}`, or remove the section for RL")
+        return
+    if kind not in KINDS:
+        raise ValueError(f"unknown run kind {kind!r}; expected one of {['rl', *KINDS]}")
+    if getattr(cfg, kind) is None:
+        raise ValueError(f"workflows/{kind}.py needs the config's {kind} section (its data: {kind}.train_uri); this config "
+                         f"has none (docs/post-training.md)")
+    if len(sections) > 1:
+        raise ValueError(f"the config sets both {sections}: one run is one kind; chain them instead (model.path = the "
+                         "first run's final policy)")
+    if cfg.env is not None:
+        raise ValueError(f"env is set: the environment belongs to workflows/agentic.py, not to a {kind.upper()} run")
+    unused = rl_only_settings(cfg)
+    if unused:
+        raise ValueError(f"a {kind.upper()} run does not use the RL setting(s) {', '.join(unused)}: remove them from the "
+                         f"config (the schedule is {kind}.batch_size, {kind}.steps or {kind}.epochs; docs/post-training.md)")
+
+
+# what an SFT or DPO run reads of the RL sections: the evaluation's generation (rollout.max_new_tokens, stop,
+# temperature, engine, workers), loop.eval_samples, data.max_line_bytes; the rest of these is RL's alone
+_RL_ONLY = {"algorithm": None, "pipeline": None, "sync": None, "checkpoint": None,
+            "loop": {"iterations", "eval_every", "fuse"}, "training": {"mini_batch_size"},
+            "rollout": {"prompts_per_iteration", "samples_per_prompt", "score_while_generating", "chunk_prompts",
+                        "partial_rollout_max_split"},
+            "data": {"source", "domains", "train_size", "eval_size", "sources", "domain_weights", "max_prompt_tokens",
+                     "over_length"}}
+
+
+# ... and what DPO from on-policy pairs reads besides: the prompts and the size of a round
+_ON_POLICY = {"data": None, "rollout": {"prompts_per_iteration", "samples_per_prompt"}}
+
+
+def rl_only_settings(cfg) -> list[str]:
+    """The settings of `cfg` that differ from the schema's defaults and only an RL run reads, dotted
+    (DPO with dpo.pairs=on_policy reads the `data` section and the round's size too)."""
+    given = cfg.model_dump(mode="json", exclude_defaults=True)
+    on_policy = cfg.dpo is not None and cfg.dpo.pairs == "on_policy"
+    out = []
+    for sec, keys in _RL_ONLY.items():
+        allowed = _ON_POLICY.get(sec, set()) if on_policy else set()
+        for key in sorted(given.get(sec) or {}):
+            if (keys is None or key in keys) and not (allowed is None or key in allowed):
+                out.append(f"{sec}.{key}")
+    return out

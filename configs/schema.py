@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -285,6 +286,111 @@ class SyncConfig(_Section):
     transport: Literal["broadcast", "shm", "cuda_ipc"] = Field("broadcast", description="live: how each bucket reaches the generation actors (engines/weight_sync/update_group.py). broadcast: over the update group (gloo), any node. shm: the trainer writes each bucket into one file in /dev/shm that every engine maps, the group carries only a signal per bucket; the training actor and every generation actor must sit on one Ray node (checked at each new group: a sync across nodes is refused naming the engines and nodes, never silently sent another way). cuda_ipc: the same with a CUDA buffer shared by IPC handle, for actor_train and actor_infer both on GPU on one node (refused otherwise, infra/resources.py check_placement; not run in this project's tests: no GPU in CI). Only with method: live.")
 
 
+class _TuningRun(_Section):
+    """What the SFT, DPO and distillation sections share: the held-out split, the length limit and the
+    schedule (tasks/stages/post_training.py). `_KIND` names the section in messages."""
+
+    _KIND: typing.ClassVar[str] = ""
+
+    eval_uri: str | None = Field(None, description="Held-out rows, read like train_uri. Unset = rows of train_uri held out by a hash of their prompt: about eval_size, at most 20% of the file.")
+    eval_size: int = Field(64, ge=1, le=100_000, description="Held-out rows when eval_uri is unset (the eval loss or divergence at every version; the reward-based eval on those that carry an answer).")
+    max_tokens: int = Field(2048, ge=8, le=1_048_576, description="Prompt + response tokens of one example (a pair: its longer side), also capped by the model's context. Longer ones are handled by over_length.")
+    over_length: Literal["drop", "refuse"] = Field("drop", description="What a too-long example does: drop = left out and reported with its place and prompt (MLflow data/dropped_long_examples.txt); refuse = the dataset task fails, naming the rows.")
+    epochs: int = Field(1, ge=1, le=10_000, description="Passes over the train rows, each in a fresh order (seed + epoch). With steps > 0 leave it at 1 (both set is refused).")
+    steps: int = Field(0, ge=0, le=10_000_000, description="Optimizer steps in all; 0 = epochs x ceil(train rows / batch_size).")
+    steps_per_version: int = Field(50, ge=1, le=1_000_000, description="Optimizer steps between published policy versions (each one a checkpoint with manifest, MLflow model version and the held-out metrics); the last step always publishes.")
+    eval_every: int = Field(1, ge=0, le=1_000_000, description="Reward-based evaluation (eval/accuracy, where eval rows carry answers) every N published versions, and at the start and the end; 0 = start and end only.")
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self):
+        if self.steps and self.epochs != 1:
+            raise ValueError(f"{self._KIND}.steps={self.steps} and {self._KIND}.epochs={self.epochs} both say how long to "
+                             "train: set one")
+        return self
+
+
+class SFTConfig(_TuningRun):
+    """Supervised fine-tuning (workflows/sft.py, docs/post-training.md): the demonstrations and the
+    schedule. The optimizer, strategy, LoRA and micro-batching are `training`'s."""
+
+    _KIND: typing.ClassVar[str] = "sft"
+
+    train_uri: str = Field(..., min_length=1, description="Demonstration file: JSONL (.jsonl/.jsonl.gz), CSV with a header line, or parquet; a local path or an fsspec URL (s3://...). Rows: {prompt, response} (or TRL's {prompt, completion}) or {messages: [...]} ending with the assistant's reply; optional domain and answer (then the eval split is also scored with the run's rewards). Bad rows are skipped and reported with their line.")
+    prompt_loss: bool = Field(False, description="Whether the loss also covers the prompt's tokens (every token after the first). False = only the response and its EOS, as TRL's completion_only_loss.")
+    batch_size: int = Field(16, ge=1, le=65_536, description="Examples per optimizer step (the loss is their token mean). Micro-batches by token count: training.max_tokens_per_micro_batch.")
+
+
+class PreferenceConfig(_TuningRun):
+    """Preference tuning (workflows/dpo.py, docs/post-training.md): the pairs, the loss and the schedule.
+    The optimizer, strategy, LoRA and micro-batching are `training`'s; the reference is
+    model.reference_path, else the starting policy."""
+
+    _KIND: typing.ClassVar[str] = "dpo"
+
+    pairs: Literal["file", "on_policy"] = Field("file", description="Where the pairs come from. file: train_uri. on_policy: each round the current policy samples rollout.samples_per_prompt responses to rollout.prompts_per_iteration prompts of the `data` section (the rollout stage), the run's rewards score them (the scoring stage), and every group whose rewards differ gives one pair, its best response chosen and its worst rejected: preference tuning for a team with a reward but no preference data.")
+    train_uri: str | None = Field(None, min_length=1, description="pairs=file: the preference file (JSONL, CSV or parquet; local or fsspec): rows {prompt, chosen, rejected}, prompt a string or a list of messages, chosen/rejected strings or one assistant message each. Pairs with identical chosen and rejected, blank responses or missing fields are skipped and reported with their line.")
+    rounds: int = Field(0, ge=0, le=1_000_000, description="pairs=on_policy: sampling rounds, each one published policy version (its pairs trained for `epochs` passes of `batch_size` pairs a step). Required (> 0) with on_policy, refused with file.")
+    loss: Literal["sigmoid", "robust", "ipo", "hinge"] = Field("sigmoid", description="engines/algorithms/preference.py: sigmoid = DPO (with label_smoothing > 0: conservative DPO), robust = robust DPO, ipo = IPO on token-mean log-probs, hinge = SLiC.")
+    beta: float = Field(0.1, gt=0, le=100.0, description="DPO's beta (IPO's tau): how far the policy may move from the reference; larger = closer to it.")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid: cDPO's epsilon (the share of flipped labels assumed); robust: the flip rate. Refused for ipo and hinge.")
+    batch_size: int = Field(8, ge=1, le=65_536, description="Pairs per optimizer step (the loss is their mean).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PreferenceConfig":
+        if self.pairs == "file" and not self.train_uri:
+            raise ValueError("dpo.train_uri: pairs=file needs the preference file (or set dpo.pairs: on_policy)")
+        if self.pairs == "file" and self.rounds:
+            raise ValueError(f"dpo.rounds={self.rounds} counts on-policy sampling rounds: set dpo.pairs: on_policy, or "
+                             "use dpo.steps / dpo.epochs for a file")
+        if self.pairs == "on_policy":
+            fixed = {"train_uri": None, "eval_uri": None, "eval_size": 64, "max_tokens": 2048, "over_length": "drop",
+                     "steps": 0, "steps_per_version": 50}
+            given = [f"dpo.{k}" for k, v in fixed.items() if getattr(self, k) != v]
+            if given:
+                raise ValueError(f"dpo.pairs=on_policy samples its pairs each round: {', '.join(given)} belong to a pairs "
+                                 "file; remove them (the round's size is rollout.prompts_per_iteration x "
+                                 "rollout.samples_per_prompt, its passes dpo.epochs)")
+            if not self.rounds:
+                raise ValueError("dpo.rounds: pairs=on_policy needs the number of sampling rounds (> 0)")
+        if self.label_smoothing and self.loss in ("ipo", "hinge"):
+            raise ValueError(f"dpo.label_smoothing={self.label_smoothing} is not used by loss {self.loss!r}: conservative "
+                             "DPO is loss 'sigmoid' with label_smoothing > 0, robust DPO is 'robust'; set it to 0")
+        return self
+
+
+class DistillConfig(_TuningRun):
+    """Offline logit distillation (workflows/distill.py, docs/post-training.md): a teacher's top-k
+    next-token log-probs on demonstrations, computed once on the reference role and stored, and a
+    student (model.path, or the bootstrapped tiny model) trained to match them, mixed with the SFT
+    loss. The optimizer, strategy, LoRA and micro-batching are `training`'s."""
+
+    _KIND: typing.ClassVar[str] = "distill"
+
+    teacher: str = Field(..., min_length=1, description="The teacher, given like model.path: a Hugging Face model folder, an artifact-store key/URI (any run's published version), 'gguf:FILE' or 'package:NAME'. It must have the student's tokenizer (same token -> id map); another is refused before any cluster starts, naming both. A student with more weight bytes than its teacher is warned about.")
+    train_uri: str = Field(..., min_length=1, description="Demonstration file, as sft.train_uri (the rows the teacher scores and the student trains on).")
+    top_k: int = Field(32, ge=1, le=1_000_000, description="Teacher log-probs kept per response token (its k most likely tokens); the divergence is taken on them, both distributions renormalised there (engines/algorithms/distill.py). The stored artifact grows with k: rows x response tokens x k x 12 bytes.")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd", "skewed_forward_kl", "skewed_reverse_kl"] = Field("forward_kl", description="engines/algorithms/distill.py DIVERGENCES: forward_kl KL(teacher||student), reverse_kl KL(student||teacher), jsd (generalized JSD, jsd_beta), skewed_forward_kl / skewed_reverse_kl (DistiLLM, skew).")
+    jsd_beta: float = Field(0.5, ge=0.0, le=1.0, description="divergence jsd: the teacher's weight in the mixture (0 = forward KL, 1 = reverse KL). Refused with another divergence when not 0.5.")
+    skew: float = Field(0.1, ge=0.0, le=1.0, description="divergence skewed_*: the mixture weight lambda. Refused with another divergence when not 0.1.")
+    divergence_weight: float = Field(0.5, ge=0.0, le=1.0, description="w in loss = w x divergence + (1 - w) x SFT token NLL on the demonstration's response (ROLL's distill_loss_weight, default 0.5). 1 = the divergence alone.")
+    teacher_temperature: float = Field(1.0, gt=0, le=100.0, description="Temperature of the teacher's distribution on its top-k.")
+    student_temperature: float = Field(1.0, gt=0, le=100.0, description="Temperature of the student's distribution on the teacher's top-k (the SFT term stays at 1).")
+    batch_size: int = Field(16, ge=1, le=65_536, description="Examples per optimizer step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DistillConfig":
+        if self.jsd_beta != 0.5 and self.divergence != "jsd":
+            raise ValueError(f"distill.jsd_beta={self.jsd_beta} is used by divergence 'jsd' only, not {self.divergence!r}")
+        if self.skew != 0.1 and not self.divergence.startswith("skewed_"):
+            raise ValueError(f"distill.skew={self.skew} is used by the skewed_* divergences only, not {self.divergence!r}")
+        return self
+
+    def divergence_options(self) -> dict:
+        """The divergence's own keyword options (engines/algorithms/distill.py)."""
+        return {"beta": self.jsd_beta} if self.divergence == "jsd" else \
+            {"skew": self.skew} if self.divergence.startswith("skewed_") else {}
+
+
 class FlyrollConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity, storage and tracking.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy and reference models.")
@@ -299,6 +405,9 @@ class FlyrollConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Which policy versions are published and what each holds beside its weights.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="How new weights reach the generation actors (docs/weight-sync.md).")
     env: EnvConfig | None = Field(None, description="Agentic RL: the environment episodes run in (workflows/agentic.py). None for RLVR.")
+    sft: SFTConfig | None = Field(None, description="Supervised fine-tuning (workflows/sft.py): set for an SFT run, which refuses a config without it; the RL workflows refuse a config with it.")
+    dpo: PreferenceConfig | None = Field(None, description="Preference tuning (workflows/dpo.py): set for a DPO run, which refuses a config without it; the RL workflows refuse a config with it.")
+    distill: DistillConfig | None = Field(None, description="Offline logit distillation (workflows/distill.py): set for a distillation run, which refuses a config without it; the RL workflows refuse a config with it.")
 
     @property
     def scores_in_rollout(self) -> bool:

@@ -57,10 +57,18 @@ def chain(key: str, store: ArtifactStore) -> list[dict]:
         seen.add(key)
         m = store.manifest(key)
         out.append({"key": key, "kind": m.kind, "producer": m.producer, "created_at": m.created_at,
+                    "run_kind": run_kind({"metadata": m.metadata}),
                     "execution_id": m.execution_id, "parents": m.parents, "files": len(m.files),
                     "metadata": {k: v for k, v in m.metadata.items() if k not in ("bootstrap",)}})
         key = m.parents[0] if m.parents else None
     return out
+
+
+def run_kind(version: dict) -> str | None:
+    """What trained a published policy version (a `chain` entry): "rl" (it names its rollout table),
+    "sft" or "dpo" (its manifest's `kind`, tasks/stages/weight_sync.py); None for a base or imported model."""
+    meta = version["metadata"]
+    return meta.get("kind") or ("rl" if "rollout_table" in meta else None)
 
 
 def lineage(target: str, store_uri: str, tracking_uri: str, model: str = DEFAULT_MODEL) -> dict:
@@ -115,8 +123,11 @@ def cli_main(argv: list[str]) -> int:
     for i, v in enumerate(rec["chain"]):
         mv = v.get("mlflow", {})
         tag = f"  (MLflow model version {mv['model_version']} of {mv['registered_model']}, run {mv['run_id'][:8]})" if mv else ""
-        it = v["metadata"].get("iteration")
-        print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{f', iteration {it}' if it is not None else ''}]{tag}")
+        it, step = v["metadata"].get("iteration"), run_kind(v)
+        detail = f", {step} {'iteration' if step == 'rl' else 'version'} {it}" if it is not None else ""
+        detail += f", config {v['metadata']['config_hash']}" if v["metadata"].get("config_hash") else ""
+        detail += f", data {v['metadata']['dataset']}" if v["metadata"].get("dataset") and it is not None else ""
+        print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{detail}]{tag}")
         for s in v["metadata"].get("unpublished_iterations") or []:  # checkpoint.publish_every (tasks/loop/publish_plan.py)
             print(f"      after iteration {s['iteration']} (not published; trained on {s['rollout_table']})")
     for d in rec["datasets"]:

@@ -248,11 +248,14 @@ def hosted_roles(cfg, task: str) -> tuple[str, ...]:
     `rollout.score_while_generating` the rollout task also hosts the reward workers: it scores its
     samples (and refills the batch with its own generation actors, tasks/stages/rollout.py), so no
     generation actor is ever created in a cluster declared without room for one (the scoring task's
-    has no GPU on the gpu profile)."""
+    has no GPU on the gpu profile). A DPO run's training task (tasks/stages/post_training.py
+    `post_train`) also hosts the reference."""
     roles = {task_: (role,) for role, (task_, _) in HOSTS.items() if role != "critic"}
     roles["evaluation"] = ("actor_infer", "reward")  # greedy responses, scored by the run's reward workers
     if cfg.scores_in_rollout:
         roles["rollout"] += ("reward",)
+    if getattr(cfg, "dpo", None) is not None:  # DPO's training task asks the reference actor for the pairs' log-probs
+        roles["training"] += ("reference",)
     roles["fused"] = tuple(dict.fromkeys(r for s in FUSED_STAGES for r in roles[s]))  # every stage, one cluster
     return roles.get(task, ())
 

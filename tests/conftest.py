@@ -77,7 +77,7 @@ def e2e_run(tmp_path_factory):
 SMOLLM2_MODULES = {"test_multidomain", "test_eval_cli", "test_evaluation_routing"}   # + tests marked xdist_group("smollm2")
 # modules that share a session fixture with another module's group: `e2e_run`, `tiny_base_dir`
 SAME_GROUP = {"test_lineage": "test_workflow", "test_hybrid": "test_workflow", "test_learning": "test_presets"}
-LONGEST_FIRST = ["vllm_workflow", "test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_resume", "test_s3",
+LONGEST_FIRST = ["vllm_workflow", "test_agentic_presets", "smollm2", "test_presets", "test_workflow", "test_post_training_chain", "test_resume", "test_s3",
                  "test_strategies", "test_agentic_workflow", "test_schedules", "test_decks"]
 
 

@@ -121,8 +121,10 @@ def _reason(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validate_rows(rows) -> tuple[list[dict], list[RowError]]:
-    """(good records, errors) for an iterable of (line, dict-or-RowError)."""
+def validate_rows(rows, model: type[BaseModel] | None = None) -> tuple[list[dict], list[RowError]]:
+    """(good records, errors) for an iterable of (line, dict-or-RowError); each dict validated by
+    `model` (a pydantic model with a `record()` method; default `PromptRow`)."""
+    model = model or PromptRow
     good, errors = [], []
     for line, row in rows:
         if isinstance(row, RowError):
@@ -132,7 +134,7 @@ def validate_rows(rows) -> tuple[list[dict], list[RowError]]:
             errors.append(RowError(line, f"expected a JSON object, got {type(row).__name__}"))
             continue
         try:
-            good.append(PromptRow.model_validate(row).record())
+            good.append(model.model_validate(row).record())
         except ValidationError as e:
             errors.append(RowError(line, _reason(e)))
     return good, errors
@@ -274,13 +276,12 @@ def _text_rows(uri: str, fmt: str, storage_options: dict | None, max_line_bytes:
     return rows
 
 
-def load_prompts(uri: str, *, storage_options: dict | None = None, default_domain: str | None = None,
-                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> LoadResult:
-    """The good rows of a JSONL, CSV or parquet prompt file (local path or fsspec URL, e.g. `s3://`),
-    and a RowError for each bad one. A row without a `domain` takes `default_domain` (a source's
-    `domain`), when given. A JSONL line (CSV record) over `max_line_bytes` bytes is dropped unread
-    and counted in `long_lines` (config `data.max_line_bytes`). Raises FileNotFoundError (missing
-    file), ValueError (unknown format, empty file, not UTF-8, no good row)."""
+def read_rows(uri: str, *, storage_options: dict | None = None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+              what: str = "prompt file") -> tuple[list, list[str], LongLines, str]:
+    """(rows, notes, long lines, format) of a JSONL, CSV or parquet file (local path or fsspec URL):
+    each row is (line, dict or RowError), not yet validated; `what` names the file in errors. The
+    readers every row table shares (prompt tables here, SFT and preference tables in
+    engines/data/tuning_rows.py)."""
     if max_line_bytes < 1:
         raise ValueError(f"data.max_line_bytes={max_line_bytes}; expected a positive number of bytes")
     fmt = _format(uri)
@@ -292,11 +293,22 @@ def load_prompts(uri: str, *, storage_options: dict | None = None, default_domai
         with _open(uri, storage_options) as f:
             raw = f.read()
         if not raw.strip():
-            raise ValueError(f"prompt file {uri!r} is empty; expected a parquet file")
+            raise ValueError(f"{what} {uri!r} is empty; expected a parquet file")
         try:
             rows = list(_parquet_rows(raw))
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for a corrupt file
-            raise ValueError(f"prompt file {uri!r} is not a readable parquet file ({type(e).__name__}: {e})") from e
+            raise ValueError(f"{what} {uri!r} is not a readable parquet file ({type(e).__name__}: {e})") from e
+    return rows, notes, long, fmt
+
+
+def load_prompts(uri: str, *, storage_options: dict | None = None, default_domain: str | None = None,
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> LoadResult:
+    """The good rows of a JSONL, CSV or parquet prompt file (local path or fsspec URL, e.g. `s3://`),
+    and a RowError for each bad one. A row without a `domain` takes `default_domain` (a source's
+    `domain`), when given. A JSONL line (CSV record) over `max_line_bytes` bytes is dropped unread
+    and counted in `long_lines` (config `data.max_line_bytes`). Raises FileNotFoundError (missing
+    file), ValueError (unknown format, empty file, not UTF-8, no good row)."""
+    rows, notes, long, fmt = read_rows(uri, storage_options=storage_options, max_line_bytes=max_line_bytes)
     if default_domain:
         rows = [(i, {**r, "domain": r.get("domain") or default_domain} if isinstance(r, dict) else r) for i, r in rows]
     good, errors = validate_rows(rows)

@@ -210,33 +210,49 @@ class _PPOEngine:
 
     def _updates(self, batch: TokenBatch, ppo_epochs: int, mini_batch_size: int, max_tokens_per_micro_batch: int,
                  seed: int, micro_loss, groups: list[int] | None = None,
-                 run_rows: list[bool] | None = None) -> tuple[dict[str, float], int, float, float, int]:
+                 run_rows: list[bool] | None = None, unit: int = 1,
+                 share_metrics: frozenset[str] = frozenset()) -> tuple[dict[str, float], int, float, float, int]:
         """Run the update loop; `micro_loss(sub, idx, t, num_tokens, num_seqs, ran) -> (loss, metrics)` on
         each trimmed micro-batch `sub` (rows `idx`, response width `t`), inside the strategy's
         micro-batch context. `run_rows` [B]: the rows that need a forward and backward (None: all);
         the others are left out, but `num_tokens` / `num_seqs` still count the whole mini-batch (the
         loss's normalisers), and `ran` = (tokens, sequences) of the rows that run. Returns (metric means
         over updates, summed over ranks; number of updates; mean grad norm; padded tokens processed,
-        summed over ranks; rows left out, summed over updates)."""
+        summed over ranks; rows left out, summed over updates).
+
+        `unit` > 1: the rows come in units of `unit` consecutive rows that stay together (a preference
+        pair: chosen, rejected), in one rank's micro-batch and in their order; `mini_batch_size` then
+        counts units, and a micro-batch's token cap is shared by its unit's rows. `share_metrics`: metric
+        keys that are, like the loss terms of `_SHARE_METRICS`, each micro-batch's share of its
+        mini-batch's value (summed over micro-batches, not averaged)."""
+        shares = _SHARE_METRICS | share_metrics
+        if unit > 1 and (groups is not None or run_rows is not None or batch.input_ids.shape[0] % unit):
+            raise ValueError(f"unit={unit}: needs a whole number of units and neither groups nor run_rows")
         strategy = self.strategy
         self.module.train()
         B, P = batch.input_ids.shape[0], batch.prompt_width
-        prompt_lens = batch.attention_mask[:, :P].sum(-1).tolist()
-        resp_lens = batch.attention_mask[:, P:].sum(-1).tolist()
+        U = B // unit
+        rows_of = (lambda units: units) if unit == 1 else (lambda units: [u * unit + k for u in units for k in range(unit)])
+        # a unit's length is its longest row's: the micro-batch split sees units, each `unit` rows wide
+        prompt_lens = batch.attention_mask[:, :P].sum(-1).view(U, unit).amax(-1).tolist()
+        resp_lens = batch.attention_mask[:, P:].sum(-1).view(U, unit).amax(-1).tolist()
         g = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
         n_updates, tokens, norms, skipped = 0, 0, 0.0, 0
         for _epoch in range(ppo_epochs):
-            order = torch.randperm(B, generator=g).tolist()
-            for ms in range(0, B, mini_batch_size):
-                mini = order[ms : ms + mini_batch_size]
+            order = torch.randperm(U, generator=g).tolist()
+            for ms in range(0, U, mini_batch_size):
+                units = order[ms : ms + mini_batch_size]
+                mini = rows_of(units)
                 num_tokens, num_seqs = global_counts(batch.response_mask[mini])
                 # at least one row runs, so every parameter gets a (zero) gradient and the step is the same
                 run = mini if run_rows is None else ([i for i in mini if run_rows[i]] or mini[:1])
                 skipped += len(mini) - len(run)
                 ran = global_counts(batch.response_mask[run])
                 strategy.zero_grad(self.optimizer)
-                micro = _micro_steps(strategy, run, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups)
+                micro = _micro_steps(strategy, run, prompt_lens, resp_lens, max_tokens_per_micro_batch, groups) if unit == 1 \
+                    else [(rows_of(idx), w) for idx, w in _micro_steps(strategy, units, prompt_lens, resp_lens,
+                                                                         max(1, max_tokens_per_micro_batch // unit))]
                 bad: tuple[str, float] | None = None   # this rank's first loss or loss term that is not finite
                 for n, (idx, weight) in enumerate(micro):  # weight 0: padding to the busiest rank's count
                     sub, t = _trim(batch.select(idx))
@@ -245,8 +261,8 @@ class _PPOEngine:
                         strategy.backward(loss * weight)
                     w = weight * len(idx) / len(run)
                     for k, v in m.items():  # loss terms are already this micro-batch's share; rates are local means
-                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in _SHARE_METRICS else w * float(v))
-                        if bad is None and weight and k in _SHARE_METRICS and not math.isfinite(float(v)):
+                        sums[k] = sums.get(k, 0.0) + (weight * float(v) if k in shares else w * float(v))
+                        if bad is None and weight and k in shares and not math.isfinite(float(v)):
                             bad = (k, float(v))
                     if bad is None and weight and not math.isfinite(float(loss.detach())):
                         bad = (f"{self.role}/loss", float(loss))

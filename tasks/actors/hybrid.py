@@ -179,3 +179,14 @@ class HybridWorker:
         named = list(weights.items()) if weights is not None else params
         report = gen.fill_weights(key, f"sync_in_process {key}", lambda engine: copy_in_process(named, engine, version))
         return {**dataclasses.asdict(report), "served": gen.engine.version}
+
+
+def train_workers(cfg, run_id: str) -> list:
+    """The run's TrainWorker actors (with placement.hybrid the training roles of the hybrid workers,
+    tasks/actors/hybrid.py); with a distributed strategy, joined into one process group."""
+    t = cfg.training
+    workers = role_actors(cfg, run_id, "actor_train")
+    if t.strategy != "torch":
+        address = ray.get(workers[0].rendezvous.remote())
+        ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])
+    return workers

@@ -79,6 +79,21 @@ class ReferenceWorker:
                               temperature=temperature)
         return [lp[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
+    def sequence_logprobs(self, which: str, tokens, max_tokens: int) -> tuple[list[float], list[float]]:
+        """(summed, token-mean) log-probs of each row's masked response tokens of `tokens` (a TokenBatch:
+        the preference pairs, engines/training/supervised.py `pair_batch`) under model `which`."""
+        from engines.training.supervised import reference_sequence_logps
+
+        return reference_sequence_logps(self.models[which][1], tokens, max_tokens)
+
+    def topk_logprobs(self, which: str, tokens, k: int, max_tokens: int) -> list[tuple[list, list]]:
+        """Model `which`'s k most likely next tokens and their log-probs at each response position of
+        each row of `tokens` (a TokenBatch of demonstrations): the distillation teacher's top-k
+        (engines/training/supervised.py `teacher_topk`)."""
+        from engines.training.supervised import teacher_topk
+
+        return teacher_topk(self.models[which][1], tokens, k, max_tokens)
+
     def values(self, batch: RolloutBatch, micro_batch: int) -> list[list[float]]:
         """Critic values V(s_t), one per response token of `batch` (a RolloutBatch)."""
         from engines.training.critic_model import batched_values

@@ -62,7 +62,8 @@ class TrainWorker:
         self.rank, self.world_size, self.address = rank, world_size, address
         return backend
 
-    def load(self, spec, key: str, training: TrainingConfig, algorithm: AlgorithmConfig | None = None) -> str:
+    def load(self, spec, key: str, training: TrainingConfig, algorithm: AlgorithmConfig | None = None,
+             total_steps: int | None = None) -> str:
         """Make `key` the policy this actor trains: "cached" when it holds it (it trained it, so it has
         its optimizer and objective state too), else loaded from the store, with its trainer_state.pt
         when `key` is this run's own version (a resume). Another run's version (`model.path`) gives its
@@ -70,7 +71,9 @@ class TrainWorker:
         optimizer state would bring back that run's learning rate and schedule. A version of this run
         published without one (checkpoint.optimizer_every) is rebuilt by replaying the updates since the
         newest one that has it (tasks/run/replay.py). `training`, `algorithm`: the config's TrainingConfig
-        and AlgorithmConfig sections."""
+        and AlgorithmConfig sections. `total_steps`: the LR schedule's length (warmup, then cosine to
+        0.1 of training.lr; SFT and DPO runs know it), None = constant after the warmup (RL)."""
+        self.total_steps = total_steps
         if self.key == key:
             return "cached"
         from tasks.run.common import store_of
@@ -117,7 +120,8 @@ class TrainWorker:
         opt = dict(weight_decay=training.weight_decay, grad_clip=training.grad_clip, warmup_steps=training.warmup_steps)
         self.engine = TorchTrainEngine(self.model, lr=training.lr, strategy=make_strategy(strategy, **strategy_options),
                                        compile=training.compile, compute_dtype=dtype, lora=lora,
-                                       gradient_checkpointing=training.gradient_checkpointing, **opt)
+                                       gradient_checkpointing=training.gradient_checkpointing,
+                                       total_steps=getattr(self, "total_steps", None), **opt)
         if not state and own:  # a run's own version without it: pruned
             print(f"flyroll: policy {key} has no {TRAINER_STATE} (only the newest run.keep_trainer_states versions that "
                   "hold one keep it): the optimizer moments, LR schedule and objective state start afresh", flush=True)
@@ -169,15 +173,8 @@ class TrainWorker:
         otherwise cost a read-back, two copies through the object store and the caller's write:
         ~5 s of each iteration's training stage on a shared local Ray, 22.6 s of SmolLM2's 59 s in a local
         cluster-shaped run, docs/benchmarks.md); on another machine the bytes do."""
-        import tempfile
-
-        import torch
-
-        from engines.training.critic_model import CRITIC_SUBDIR, save_critic
         from engines.training.lora import plain_model
-        from engines.models.modeling import save_policy
         from engines.weight_sync.gather import is_shard
-        from tasks.run.common import TRAINER_STATE
 
         from engines.training.update import NonFiniteUpdate
 
@@ -205,6 +202,20 @@ class TrainWorker:
         self.kept.keep(sync_kept, kept, self.rank)
         if self.rank != 0 or not write:
             return metrics, {}
+        return metrics, self._write_checkpoint(out, weights, critic_weights, state, metrics)
+
+    def _write_checkpoint(self, out: tuple[str, str] | None, weights: dict | None, critic_weights: dict | None,
+                          state: dict | None, metrics: dict) -> dict[str, bytes]:
+        """Rank 0: the checkpoint (weights, tokenizer, the critic under critic/, trainer_state.pt when
+        `state`) written into `out`'s folder when this actor sees it, else returned as bytes (`step`)."""
+        import tempfile
+
+        import torch
+
+        from engines.models.modeling import save_policy
+        from engines.training.critic_model import CRITIC_SUBDIR, save_critic
+        from engines.training.lora import plain_model
+        from tasks.run.common import TRAINER_STATE
 
         def save(d: str) -> None:
             save_policy(plain_model(self.engine.model), self.tokenizer, d, state_dict=weights)
@@ -217,7 +228,7 @@ class TrainWorker:
             t0 = time.perf_counter()
             save(out[1])
             metrics["training/checkpoint_write_s"] = time.perf_counter() - t0
-            return metrics, {}
+            return {}
         with tempfile.TemporaryDirectory() as d:
             save(d)
             files = {}
@@ -226,7 +237,72 @@ class TrainWorker:
                     p = os.path.join(root, n)
                     with open(p, "rb") as f:
                         files[os.path.relpath(p, d)] = f.read()
-        return metrics, files
+        return files
+
+    def post_train(self, kind: str, examples: list, steps: list[list[int]], settings: dict, training: TrainingConfig,
+                   seed: int, next_key: str, out: tuple[str, str] | None = None, eval_examples: list | None = None,
+                   reference: dict | None = None) -> tuple[dict, dict[str, bytes]]:
+        """SFT (`kind` "sft"), preference ("dpo") or distillation ("distill") optimizer steps on the loaded
+        policy, one per entry of `steps` (indices into `examples`: engines/training/supervised.py
+        `Encoded`, or pairs of them), then the eval split's loss, then the checkpoint (as `step` writes
+        it, trainer state included). `settings`: dpo: loss, beta, label_smoothing; distill: divergence,
+        divergence_weight, temperatures, options, top_k. `reference`: dpo: {"train": (sums, means) per
+        row of `examples` flattened chosen/rejected, "eval": the same for `eval_examples`}; distill:
+        {"train": the teacher's top-k per example, "eval": per eval example}. Every rank is called
+        alike; rank 0 returns the files. Returns (metrics averaged over the steps, files)."""
+        import torch
+
+        from engines.training.supervised import (batch_of, distill_eval, distill_update, pair_batch, preference_eval,
+                                                 preference_update, sft_update, token_nll, topk_tensors)
+        from engines.training.update import NonFiniteUpdate
+
+        self.offload.reload()
+        pad, cap = self.tokenizer.pad_token_id, training.max_tokens_per_micro_batch
+        sums: dict[str, float] = {}
+        t0 = time.perf_counter()
+        ref = {k: tuple(torch.tensor(x, dtype=torch.float32) for x in v) for k, v in (reference or {}).items()} \
+            if kind == "dpo" else {}
+        distill = {k: v for k, v in settings.items() if k != "top_k"} if kind == "distill" else {}
+        try:
+            for i, rows in enumerate(steps):
+                if kind == "sft":
+                    m = sft_update(self.engine, batch_of([examples[j] for j in rows], pad), mini_batch_size=len(rows),
+                                   max_tokens_per_micro_batch=cap, seed=seed + i)
+                elif kind == "distill":
+                    batch = batch_of([examples[j] for j in rows], pad)
+                    ids, logps = topk_tensors([reference["train"][j] for j in rows], batch.responses.shape[1],
+                                              settings["top_k"])
+                    m = distill_update(self.engine, batch, ids, logps, mini_batch_size=len(rows),
+                                       max_tokens_per_micro_batch=cap, seed=seed + i, **distill)
+                else:
+                    idx = torch.tensor([2 * j + k for j in rows for k in (0, 1)])
+                    m = preference_update(self.engine, pair_batch([examples[j] for j in rows], pad), ref["train"][0][idx],
+                                          ref["train"][1][idx], mini_batch_size=len(rows), max_tokens_per_micro_batch=cap,
+                                          seed=seed + i, **settings)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v / len(steps)
+        except NonFiniteUpdate as e:
+            raise NonFiniteUpdate(f"{e}, training {next_key} from {self.key} (the last good version; nothing of the new "
+                                  "one was written): lower training.lr or training.grad_clip") from None
+        sums["training/update_s"] = time.perf_counter() - t0
+        if eval_examples:
+            if kind == "sft":
+                nll, n = token_nll(self.engine.module, batch_of(eval_examples, pad), cap)
+                sums["eval/loss"] = nll / max(n, 1.0)
+            elif kind == "distill":
+                batch = batch_of(eval_examples, pad)
+                ids, logps = topk_tensors(reference["eval"], batch.responses.shape[1], settings["top_k"])
+                sums.update(distill_eval(self.engine.module, batch, ids, logps, cap,
+                                         **{k: v for k, v in distill.items() if k != "divergence_weight"}))
+            else:
+                sums.update(preference_eval(self.engine.module, pair_batch(eval_examples, pad), *ref["eval"], cap,
+                                            **settings))
+        self.key = next_key
+        state = self.trainer_state()
+        weights = self.engine.checkpoint_state_dict()
+        if self.rank != 0:
+            return sums, {}
+        return sums, self._write_checkpoint(out, weights, None, state, sums)
 
     def free_port(self) -> tuple[str, int]:
         """(address, a free port) on this actor's node, for a model update group's store (tasks/loop/live_sync.py)."""

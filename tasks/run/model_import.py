@@ -106,28 +106,32 @@ def check_same_vocabulary(store: ArtifactStore, policy: str, reference: str, nam
             "the KL term compares the two models' log-probs token by token")
 
 
-def build_reference(model_spec: str, base: PolicyRef) -> PolicyRef:
-    """The KL reference: with `model.reference_path` unset the base policy itself; else that model
-    (a local Hugging Face directory or a GGUF is imported into the store as
+def build_reference(model_spec: str, base: PolicyRef, role: str = "reference") -> PolicyRef:
+    """The KL reference (`role` "reference"): with `model.reference_path` unset the base policy itself;
+    else that model (a local Hugging Face directory or a GGUF is imported into the store as
     `models/reference-<digest>/v0000`, a store key/URI is used as is), after checking that it has
-    the policy's vocabulary."""
+    the policy's vocabulary. `role` "teacher": the distillation teacher (`distill.teacher`, required),
+    imported as `models/teacher-<digest>/v0000` under the same vocabulary check."""
     spec = json.loads(model_spec)
-    path = spec["model"].get("reference_path")
+    field, path = ("model.reference_path", spec["model"].get("reference_path")) if role == "reference" else \
+        ("distill.teacher", spec.get("teacher"))
     if not path:
+        if role != "reference":
+            raise ValueError("distill.teacher is not set: a distillation run needs its teacher")
         return base
     store = ArtifactStore(spec["store_uri"])
-    check_model_path(path, store, "model.reference_path")
-    folder = spec.get("model_fingerprints", {}).get("reference_path")  # a local folder's content (prepare_run)
-    key = f"models/reference-{hashlib.sha256((path + (folder or '')).encode()).hexdigest()[:12]}/v0000"
+    check_model_path(path, store, field)
+    folder = spec.get("model_fingerprints", {}).get("reference_path" if role == "reference" else role)  # (prepare_run)
+    key = f"models/{role}-{hashlib.sha256((path + (folder or '')).encode()).hexdigest()[:12]}/v0000"
     if path.startswith(("gguf:", "package:")):
-        import_gguf_spec(path, store, key, "model.reference_path")
+        import_gguf_spec(path, store, key, field)
     elif os.path.isdir(path):
         if not store.exists(key):
-            store.publish(path, key, kind="checkpoint", producer="reference_policy", execution_id=execution_id(),
-                          metadata={"imported_from": path, "role": "reference", "fingerprint": folder})
+            store.publish(path, key, kind="checkpoint", producer=f"{role}_policy", execution_id=execution_id(),
+                          metadata={"imported_from": path, "role": role, "fingerprint": folder})
     else:
         key = store_key_of(path, store)
     policy_name = repr(spec["model"]["path"]) if spec["model"]["path"] else "(the bootstrapped tiny model)"
-    check_same_vocabulary(store, base.key, key, (f"model.path {policy_name}", repr(path)))
-    console.print(f"[bold]reference[/] {path} as {key}")
+    check_same_vocabulary(store, base.key, key, (f"model.path {policy_name}", f"{field} {path!r}"))
+    console.print(f"[bold]{role}[/] {path} as {key}")
     return PolicyRef(key=key, version=0)

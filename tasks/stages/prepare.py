@@ -19,6 +19,7 @@ import torch
 from flytekit import Cache, task
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from configs.checks import check_kind
 from configs.schema import load_config
 from engines.data.datasets import decode_nested, encode_nested
 from engines.agentic.env_manager import solved_episodes
@@ -46,12 +47,14 @@ PrepareOut = typing.NamedTuple("PrepareOut", [("spec", RunSpec), ("model_spec", 
 
 
 @task(**task_resources("setup"))
-def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.List[str]] = None) -> PrepareOut:
+def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.List[str]] = None, kind: str = "rl") -> PrepareOut:
     """Validate the config with the command line's `overrides` ("key=value" items, `--set`), importing
     every reward function it names (fails here, before any cluster, naming field/value/expectation),
     print it, and open the MLflow parent run -- or find the run to resume (same name + config hash)
-    unless `restart`."""
+    unless `restart`. `kind`: the workflow's ("rl", "sft", "dpo"); a config for another is refused
+    (configs/checks.py `check_kind`), and the MLflow run is tagged `flyroll.kind`."""
     cfg = load_config(config or None, list(overrides or []))
+    check_kind(cfg, kind)
     console.print(resolved_config(config, overrides, cfg))
     check_placement(cfg)
     check_remote_uris(cfg, os.environ)
@@ -69,7 +72,9 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
         field = "run.store_uri" if cfg.run.store_uri else "FLYROLL_STORE_URI" if os.environ.get("FLYROLL_STORE_URI") else "run.output_dir"
         raise ValueError(f"{field}: the artifact store {store_uri!r} cannot be written to ({e}); expected a writable "
                          "folder or bucket") from None
-    for field, path in (("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path)):
+    teacher = cfg.distill.teacher if cfg.distill is not None else None
+    for field, path in (("model.path", cfg.model.path), ("model.reference_path", cfg.model.reference_path),
+                        ("distill.teacher", teacher)):
         if path:  # a missing or broken model fails here, not after the policy is bootstrapped
             check_model_path(path, store, field)
     # one process per run id: refused here, naming the holder, before the MLflow run is opened or resumed
@@ -80,7 +85,7 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
     for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
         console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
-    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id(),
+    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id(), "flyroll.kind": kind,
             "flyroll.registered_model": cfg.run.registered_model}
     if mlflow_run is None:
         # a local SQLite store keeps its artifacts in the run folder too (MLflow's default is ./mlruns)

@@ -24,23 +24,12 @@ from infra.ray_cluster import ray_job
 from infra.resources import task_resources
 from tasks.run.checkpoints import scratch_checkpoint_dir
 from tasks.run.common import check_columns, config_of, stage
-from tasks.actors.hybrid import role_actors
+from tasks.actors.hybrid import train_workers
 from tasks.run.keys import policy_key
 from tasks.loop.live_sync import check_live_sync, live_sync
 from tasks.loop.publish_plan import publish_due
 from tasks.run.replay import trainer_state_due, update_args
 from tasks.run.types import PolicyRef, RunSpec
-
-
-def train_workers(cfg, run_id: str) -> list:
-    """The run's TrainWorker actors (with placement.hybrid the training roles of the hybrid workers,
-    tasks/actors/hybrid.py); with a distributed strategy, joined into one process group."""
-    t = cfg.training
-    workers = role_actors(cfg, run_id, "actor_train")
-    if t.strategy != "torch":
-        address = ray.get(workers[0].rendezvous.remote())
-        ray.get([w.join_group.remote(rank, len(workers), address) for rank, w in enumerate(workers)])
-    return workers
 
 
 @task(task_config=ray_job("training"), **task_resources("training"))

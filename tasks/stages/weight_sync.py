@@ -33,14 +33,17 @@ from tasks.run.types import DatasetRef, PolicyRef, RunSpec
 
 @task(**task_resources("weight_sync"))
 def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef, dataset: DatasetRef, iteration: int,
-                    actor_kept: typing.Optional[bool] = None) -> PolicyRef:
+                    actor_kept: typing.Optional[bool] = None, kind: str = "rl") -> PolicyRef:
     """`actor_kept`: whether the training actors live on to train iteration+1, as `train` was told
     (tasks/stages/fused.py passes it; None = a local run's shared Ray instance). With
     checkpoint.publish_every > 1 it decides, as in `train`, whether this version is published at all
-    (tasks/loop/publish_plan.py); a skipped one returns its key unpublished."""
+    (tasks/loop/publish_plan.py); a skipped one returns its key unpublished. `kind` "sft" or "dpo"
+    (tasks/stages/post_training.py): every version is published, with no rollout table (its metadata
+    and tags say `kind` instead), and no generation actor is updated."""
     cfg = config_of(spec)
     kept = shared_local_ray() if actor_kept is None else actor_kept
-    if not publish_due(iteration, cfg.checkpoint.publish_every, cfg.loop.iterations, cfg.loop.eval_every, kept):
+    rl = kind == "rl"
+    if rl and not publish_due(iteration, cfg.checkpoint.publish_every, cfg.loop.iterations, cfg.loop.eval_every, kept):
         return _skip(spec, checkpoint, parent, iteration)
     metrics: dict[str, float] = {}
     started = time.time()  # in the manifest: a resume after a kill past the publish logs the stage's time (tasks/run/common.py)
@@ -61,7 +64,8 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         lineage = {
             "flyroll.run_id": spec.run_id, "flyroll.iteration": str(iteration), "flyroll.config_hash": spec.config_hash,
             "flyroll.parent": ancestor, "flyroll.parent_model_version": parent_model_version,
-            "flyroll.dataset": dataset.train_key, "flyroll.eval_dataset": dataset.eval_key, "flyroll.rollout_table": rollouts,
+            "flyroll.dataset": dataset.train_key, "flyroll.eval_dataset": dataset.eval_key,
+            **({"flyroll.rollout_table": rollouts} if rl else {}), "flyroll.kind": kind,
             "flyte.execution_id": execution_id(), "flyroll.child_run_id": child,
             **({"flyroll.unpublished": ",".join(str(s["iteration"]) for s in skipped)} if skipped else {}),
         }
@@ -76,7 +80,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         manifest = store.publish(local, key, kind="checkpoint", producer="publish_weights", parents=[ancestor],
                                  execution_id=execution_id(),
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
-                                           "rollout_table": rollouts, "model_version": version,
+                                           **({"rollout_table": rollouts} if rl else {"kind": kind}), "model_version": version,
                                            "registered_model": config_of(spec).run.registered_model,
                                            "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child,
                                            "weight_sync_started": started, **deferred,
@@ -91,7 +95,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         # per-task stage's cluster, which is gone by now (this task is not a Ray task)
         # (with pipeline.off_policy_steps the generators serve an older version: each rollout loads its own)
         # (sync.method=live: the training stage already sent them these weights, tasks/loop/live_sync.py)
-        if ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0 and config_of(spec).sync.method == "store":
+        if rl and ray.is_initialized() and config_of(spec).pipeline.off_policy_steps == 0 and config_of(spec).sync.method == "store":
             try:
                 generation_pool(spec, PolicyRef(key=key, version=iteration))
             except ValueError:

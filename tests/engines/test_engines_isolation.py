@@ -17,6 +17,7 @@ ORCHESTRATION = ("flytekit", "flytekitplugins", "ray", "mlflow")
 # modules that may need a hidden package, with the reason (none may need flytekit, ray or mlflow)
 NEEDS_PYDANTIC = {"engines.data.datasets": "validates user prompt tables with pydantic (PromptRow)",
                   "engines.data.sources": "builds its tables through engines.data.datasets",
+                  "engines.data.tuning_rows": "validates user demonstration and preference tables with pydantic",
                   "engines.algorithms.config": "the algorithm config section is a pydantic model (the update path "
                                                "imports it for annotations only)",
                   "engines.rewards.config": "the reward config section is a pydantic model (the scoring path imports "

@@ -120,7 +120,8 @@ def test_every_actor_fits_the_cluster_of_its_task(monkeypatch, tmp_path, preset,
 COMPILED = {"tasks.stages.rollout.rollout": "rollout", "tasks.stages.scoring.score": "scoring", "tasks.stages.reference.reference_forward": "reference",
             "tasks.stages.training.train": "training", "tasks.stages.evaluation.evaluate": "evaluation",
             "tasks.stages.agentic.rollout_episodes": "rollout", "tasks.stages.agentic.score_episodes": "scoring",
-            "tasks.stages.agentic.evaluate_episodes": "evaluation", "tasks.stages.fused.fused_iterations": "fused"}
+            "tasks.stages.agentic.evaluate_episodes": "evaluation", "tasks.stages.fused.fused_iterations": "fused",
+            "tasks.stages.post_training.post_train": "training", "tasks.stages.post_training.teacher_topk": "reference"}
 
 
 def test_dapo_compiled_for_gpus_gives_every_actor_room(tmp_path, monkeypatch):
@@ -202,3 +203,15 @@ def test_env_worker_memory_sizes_the_actors_and_the_env_pod(monkeypatch):
     assert (group.group_name, group.requests.mem, group.limits.mem) == ("rollout-env-workers", "7Gi", "7Gi")
     assert [o["memory"] for role, o in r.task_actors(cfg, "rollout") if role == "env"] == [2 * 2**30] * 3
     assert unplaced(r.task_actors(cfg, "rollout"), nodes_of_job(r.stage_ray_job(cfg, "rollout"))) == []
+
+
+def test_dpo_training_cluster_has_room_for_the_reference(monkeypatch):
+    """A DPO run's training task computes the reference's log-probs of its pairs on the reference actor,
+    in its own Ray cluster: that cluster is declared with room for both."""
+    from infra import resources as r
+
+    monkeypatch.setenv("FLYROLL_PROFILE", "gpu")
+    dpo, rl = load_config(REPO / "configs/dpo_tiny.yaml"), load_config(REPO / "configs/tiny.yaml")
+    assert {role for role, _ in r.task_actors(dpo, "training")} == {"actor_train", "reference"}
+    assert {role for role, _ in r.task_actors(rl, "training")} == {"actor_train"}
+    assert unplaced(r.task_actors(dpo, "training"), nodes_of_job(r.stage_ray_job(dpo, "training"))) == []

@@ -162,7 +162,7 @@ def _train_with_workers(cfg, spec, key: str, table, iterations: int):
     import ray
 
     from infra.ray_session import kill_pool
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
 
     workers = train_workers(cfg, spec.run_id)
     try:

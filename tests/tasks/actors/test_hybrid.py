@@ -94,7 +94,7 @@ def _samples(spec, cfg, run: str) -> tuple[list, dict]:
     generation engines asleep (weights freed) between; and which process hosts which role."""
     from tasks.loop.live_sync import live_sync
     from tasks.actors.pools import generate_sharded, generation_pool
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import PolicyRef
 
     v0, v1 = f"runs/{run}/policy/v0000", f"runs/{run}/policy/v0001"

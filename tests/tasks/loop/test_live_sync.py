@@ -26,7 +26,7 @@ def test_live_sync_gives_every_engine_the_trainers_weights_and_names_a_dead_one(
     from infra.store import ArtifactStore
     from tasks.loop.live_sync import LiveSyncError, live_sync
     from tasks.actors.pools import EngineVersionError, generation_pool
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import PolicyRef, RunSpec
 
     root, run = str(tmp_path / "store"), "live"
@@ -108,7 +108,7 @@ def test_a_generation_actor_killed_mid_sync_over_shm_then_a_clean_resume(tmp_pat
     from infra.store import ArtifactStore
     from tasks.loop.live_sync import LiveSyncError, live_sync
     from tasks.actors.pools import generation_pool
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import PolicyRef, RunSpec
 
     root, run = str(tmp_path / "store"), "midsync"

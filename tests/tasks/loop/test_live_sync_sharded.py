@@ -70,7 +70,7 @@ def test_a_sharded_trainer_syncs_per_bucket_and_the_engine_ends_bitwise_equal(tm
     from infra.store import ArtifactStore
     from tasks.loop.live_sync import live_sync
     from tasks.actors.pools import generation_pool
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import PolicyRef, RunSpec
     from tests.support.training import _scored_table
 

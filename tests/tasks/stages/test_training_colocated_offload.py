@@ -19,7 +19,7 @@ def _pass(spec, cfg, run: str, offload: bool) -> list:
     from engines.generation.engine import SamplingParams
     from tasks.loop.live_sync import live_sync
     from tasks.actors.pools import generation_pool, generate_sharded
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import PolicyRef
 
     v0, v1 = f"runs/{run}/policy/v0000", f"runs/{run}/policy/v0001"
@@ -104,7 +104,7 @@ def test_a_trainer_actor_that_offloads_its_state_trains_what_a_resident_one_does
 
     from configs.schema import parse_config
     from infra.store import ArtifactStore
-    from tasks.stages.training import train_workers
+    from tasks.actors.hybrid import train_workers
     from tasks.run.types import RunSpec
     from tests.support.training import _scored_table
 
