@@ -19,6 +19,7 @@ from pathlib import Path
 
 from flytekit import CronSchedule, LaunchPlan, task, workflow
 
+from configs.checks import check_kind
 from configs.schema import load_config
 from infra.resources import task_resources
 from tasks.run.types import PolicyRef
@@ -54,9 +55,10 @@ def post_train_plan(name: str, sft_config: str, rl_config: str, cron: str, sft_s
                     rl_set: typing.Sequence[str] = ()) -> LaunchPlan:
     """A launch plan `name` that runs `post_train` on the cron schedule `cron` (UTC) with the two
     presets (paths relative to the code's root, as `pyflyte run` takes them). Both presets are loaded
-    here, so a missing file or a bad field fails the package or register command."""
-    load_config(ROOT / sft_config, list(sft_set))
-    load_config(ROOT / rl_config, list(rl_set))
+    here, and each must belong to its workflow, so a missing file, a bad field or a swapped pair fails
+    the package or register command."""
+    check_kind(load_config(ROOT / sft_config, list(sft_set)), "sft")
+    check_kind(load_config(ROOT / rl_config, list(rl_set)), "rl")
     return LaunchPlan.get_or_create(workflow=post_train, name=name, schedule=CronSchedule(schedule=cron),
                                     default_inputs={"sft_config": sft_config, "rl_config": rl_config,
                                                     "sft_set": list(sft_set), "rl_set": list(rl_set)})

@@ -198,3 +198,19 @@ def test_retrain_plan_refuses_a_bad_preset_cron_override_or_iteration_count():
         retrain_plan("bad_iterations", "configs/tiny.yaml", "0 3 * * *", iterations=-1)
     with pytest.raises(ConfigError, match="run.champion_alias"):
         retrain_plan("bad_override", "configs/tiny.yaml", "0 3 * * *", overrides=["run.champion_alias=latest"])
+
+
+def test_post_train_plan_schedules_sft_then_rl_and_refuses_a_swapped_pair():
+    from configs.schema import ConfigError
+    from workflows.post_train import post_train_plan
+
+    plan = post_train_plan("acme_post_train", "configs/sft_tiny.yaml", "configs/tiny.yaml", "0 5 * * 0",
+                           rl_set=["loop.iterations=4"])
+    assert plan.schedule.cron_schedule.schedule == "0 5 * * 0"
+    defaults = {k: p.default for k, p in plan.parameters.parameters.items()}
+    assert defaults["sft_config"].scalar.primitive.string_value == "configs/sft_tiny.yaml"
+    assert defaults["rl_config"].scalar.primitive.string_value == "configs/tiny.yaml"
+    with pytest.raises(ValueError, match="workflows/sft.py needs the config's sft section"):
+        post_train_plan("swapped", "configs/tiny.yaml", "configs/sft_tiny.yaml", "0 5 * * 0")
+    with pytest.raises(ConfigError, match="sft.nope"):
+        post_train_plan("bad_override", "configs/sft_tiny.yaml", "configs/tiny.yaml", "0 5 * * 0", sft_set=["sft.nope=1"])
