@@ -148,6 +148,27 @@ def _call(blob: bytes, response: str, sample: dict, limits: Limits) -> tuple[str
 
 # -- the caller's side ----------------------------------------------------------------------------
 
+# a unix socket's path is at most 107 bytes; the fork server's is <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX
+_MAX_TEMP_DIR = 60
+
+
+def _short_socket_dir() -> None:
+    """multiprocessing's fork server listens on a unix socket in its temp dir, under TMPDIR; under a
+    deep TMPDIR (a job's scratch folder, a test's) the path is too long to bind ("AF_UNIX path too
+    long") and every reward call failed. Then this process's multiprocessing temp dir is made under
+    /tmp instead, removed at exit as multiprocessing removes its own."""
+    import shutil
+    import tempfile
+    from multiprocessing import process, util
+
+    current = process.current_process()._config.get("tempdir")
+    if len(current or tempfile.gettempdir()) <= _MAX_TEMP_DIR or not os.access("/tmp", os.W_OK):
+        return
+    short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    util.Finalize(None, shutil.rmtree, args=(short, True), exitpriority=-100)
+    process.current_process()._config["tempdir"] = short
+
+
 class RewardCalls:
     """A pool of `processes` worker processes that run reward calls (module docstring). Started on
     first use; `close` ends it."""
@@ -161,6 +182,7 @@ class RewardCalls:
     def _started(self) -> pebble.ProcessPool:
         with self._lock:
             if self._pool is None or not self._pool.active:
+                _short_socket_dir()
                 ctx = multiprocessing.get_context("forkserver")
                 ctx.set_forkserver_preload(["__main__", "engines.rewards.calls"])   # main once, in the server
                 self._pool = pebble.ProcessPool(max_workers=self.processes, initializer=_worker_init, context=ctx)

@@ -131,6 +131,23 @@ def test_a_killed_caller_leaves_no_worker_behind(tmp_path):
         caller.kill()
 
 
+def test_calls_run_under_a_deep_tmpdir(tmp_path):
+    """The fork server's socket lives in multiprocessing's temp dir; under a TMPDIR too deep for a unix
+    socket path (a Ray actor in a test's or a job's scratch folder) the calls still run."""
+    import subprocess
+    import sys
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    script = ("from engines.rewards.calls import Call, RewardCalls\n"
+              "from engines.rewards.exact_match import exact_match_reward\n"
+              "(res,) = RewardCalls(1).run([Call('exact', exact_match_reward, '4', {'answer': '4'})])\n"
+              "print(res.reward, res.error)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), env={**os.environ, "TMPDIR": str(deep)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["1.0", "None"], proc.stderr[-2000:]
+
+
 def test_a_function_over_the_error_rate_is_not_run_further(calls):
     """Twenty calls of a function that always hangs, with reward.max_error_rate 0.5: once 11 of its 20 have failed the
     rest are not started (the batch is over the limit for it), so it costs ~6 rounds of timeouts instead of 10."""
