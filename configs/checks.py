@@ -102,6 +102,10 @@ def check_config(cfg) -> None:
                          "own rewards), so with one sample per prompt every advantage is 0 and nothing trains; "
                          f"expected at least 2 samples per prompt, or an estimator without a group baseline "
                          f"({sorted(set(ADVANTAGES) - GROUP_BASELINE)})")
+    if cfg.algorithm.advantage == "on_policy_distill" and not cfg.model.reference_path:
+        raise ValueError("algorithm.advantage 'on_policy_distill' scores each sampled token by its log-prob under the "
+                         "teacher, which is the reference model: set model.reference_path to the teacher (a model "
+                         "folder, 'package:NAME' or any run's published version; it must share the policy's tokenizer)")
     if cfg.env is None:
         check_data_size(cfg)
 
@@ -189,6 +193,14 @@ def train_rows(d) -> int | None:
 
 # --- which workflow a config belongs to (workflows/rlvr.py and agentic.py, sft.py, dpo.py) -------------
 KINDS = ("sft", "dpo", "distill")
+ON_POLICY_DISTILL = "on_policy_distill"   # an RL run whose advantage is the reverse KL to its reference, the teacher
+
+
+def tagged_kind(cfg, kind: str) -> str:
+    """The kind a run of workflow `kind` is tagged and published with: `kind`, except that an RL run
+    with advantage on_policy_distill is "on_policy_distill" (from workflows/rlvr.py, agentic.py or
+    distill.py `distill_on_policy` alike)."""
+    return ON_POLICY_DISTILL if kind in ("rl", ON_POLICY_DISTILL) and cfg.algorithm.advantage == ON_POLICY_DISTILL else kind
 
 
 def kind_of(cfg) -> str:
@@ -197,10 +209,16 @@ def kind_of(cfg) -> str:
 
 
 def check_kind(cfg, kind: str) -> None:
-    """Refuse a config for another workflow (`kind` "rl", "sft", "dpo" or "distill"): an RL run with
+    """Refuse a config for another workflow (`kind` "rl", "on_policy_distill", "sft", "dpo" or "distill"): an RL run with
     an sft, dpo or distill section; a run of one of those kinds without its section, with another
     kind's section too, with `env`, or with RL-only settings (`rl_only_settings`)."""
     sections = [s for s in KINDS if getattr(cfg, s) is not None]
+    if kind == ON_POLICY_DISTILL:   # workflows/distill.py distill_on_policy: the RL loop with the teacher as reference
+        if cfg.algorithm.advantage != ON_POLICY_DISTILL:
+            raise ValueError(f"distill_on_policy runs the RL loop with algorithm.advantage 'on_policy_distill' and the "
+                             f"teacher as model.reference_path; this config sets algorithm.advantage "
+                             f"{cfg.algorithm.advantage!r} (configs/distill_on_policy_tiny.yaml is an example)")
+        kind = "rl"
     if kind == "rl":
         if sections:
             raise ValueError(f"this config sets the {sections[0]} section: it is a {sections[0].upper()} run; start it with "

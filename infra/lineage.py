@@ -65,8 +65,9 @@ def chain(key: str, store: ArtifactStore) -> list[dict]:
 
 
 def run_kind(version: dict) -> str | None:
-    """What trained a published policy version (a `chain` entry): "rl" (it names its rollout table),
-    "sft" or "dpo" (its manifest's `kind`, tasks/stages/weight_sync.py); None for a base or imported model."""
+    """What trained a published policy version (a `chain` entry): its manifest's `kind` ("sft", "dpo",
+    "distill", "on_policy_distill"; tasks/stages/weight_sync.py), else "rl" when it names its rollout
+    table; None for a base or imported model."""
     meta = version["metadata"]
     return meta.get("kind") or ("rl" if "rollout_table" in meta else None)
 
@@ -124,7 +125,7 @@ def cli_main(argv: list[str]) -> int:
         mv = v.get("mlflow", {})
         tag = f"  (MLflow model version {mv['model_version']} of {mv['registered_model']}, run {mv['run_id'][:8]})" if mv else ""
         it, step = v["metadata"].get("iteration"), run_kind(v)
-        detail = f", {step} {'iteration' if step == 'rl' else 'version'} {it}" if it is not None else ""
+        detail = f", {step} {'iteration' if 'rollout_table' in v['metadata'] else 'version'} {it}" if it is not None else ""
         detail += f", config {v['metadata']['config_hash']}" if v["metadata"].get("config_hash") else ""
         detail += f", data {v['metadata']['dataset']}" if v["metadata"].get("dataset") and it is not None else ""
         print(f"{'  ← ' if i else ''}{v['key']}  [{v['kind']} by {v['producer']}{detail}]{tag}")

@@ -1,6 +1,8 @@
-"""Offline logit distillation as a Flyte workflow, in the RL runs' lineage (docs/post-training.md).
+"""Distillation as Flyte workflows, in the RL runs' lineage (docs/post-training.md): offline logit
+distillation (`distill`) and on-policy distillation (`distill_on_policy`, at the end of this file).
 
     pyflyte run workflows/distill.py distill --config configs/distill_tiny.yaml --set '["distill.teacher=runs/<run id>/policy/v0020"]'
+    pyflyte run workflows/distill.py distill_on_policy --config configs/distill_on_policy_tiny.yaml
 
 The student is `model.path` (or the bootstrapped tiny model), the teacher `distill.teacher` (any model
 flyroll can import, or any run's published version); a teacher whose tokenizer differs from the
@@ -22,6 +24,7 @@ from tasks.run.types import PolicyRef
 from tasks.stages.evaluation import finalize
 from tasks.stages.post_training import make_post_dataset, post_bounds, teacher_policy, teacher_topk
 from tasks.stages.prepare import bootstrap_policy, prepare_run, resume_point
+from workflows.rlvr import rl_run
 from workflows.sft import post_loop
 
 
@@ -45,3 +48,20 @@ def distill(config: str = "", restart: bool = False, set: typing.List[str] = [])
     out = post_loop(spec=spec, kind="distill", start=start, reference=teacher, dataset=dataset, last=bounds.last,
                     eval_every=bounds.eval_every, rewards=bounds.rewards)
     return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
+
+
+@workflow
+def distill_on_policy(config: str = "", restart: bool = False, set: typing.List[str] = []) -> PolicyRef:  # noqa: A002,B006
+    """On-policy distillation run: the RL loop of workflows/rlvr.py (rollout, scoring, reference forward,
+    training, weight sync) with the teacher as the reference model and `algorithm.advantage:
+    on_policy_distill`, so every token the student samples is trained on minus its reverse KL to the
+    teacher (engines/algorithms/advantages.py). The same config runs identically under `rlvr`; this entry
+    refuses a config without that advantage, and both tag and publish the run as "on_policy_distill".
+
+    Args:
+        config: path to a YAML preset with algorithm.advantage on_policy_distill and model.reference_path
+            the teacher (e.g. configs/distill_on_policy_tiny.yaml)
+        restart: start a new run instead of resuming the last one with the same name and config
+        set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML
+    """
+    return rl_run(config, restart, set, kind="on_policy_distill")

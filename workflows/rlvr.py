@@ -91,7 +91,13 @@ def rlvr(config: str = "", restart: bool = False, set: typing.List[str] = []) ->
         set: overrides of the preset, one JSON list of "dotted.key=value" items, values read as YAML,
             e.g. '["rollout.temperature=0.7", "training.lr=1e-5"]'
     """
-    spec, model_spec = prepare_run(config=config, restart=restart, overrides=set)
+    return rl_run(config, restart, set, kind="rl")
+
+
+def rl_run(config: str, restart: bool, overrides, kind: str) -> PolicyRef:
+    """The body of `rlvr` (and of workflows/distill.py `distill_on_policy`, `kind` "on_policy_distill"),
+    called while a workflow is compiled; `overrides`: a list or a task's output."""
+    spec, model_spec = prepare_run(config=config, restart=restart, overrides=overrides, kind=kind)
     base = bootstrap_policy(model_spec=model_spec)
     dataset = make_dataset(spec=spec, base=base)  # prompts bounded by the policy's tokenizer and context
     reference = reference_policy(spec=spec, model_spec=model_spec, base=base)  # model.reference_path, else the base

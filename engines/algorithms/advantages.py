@@ -180,6 +180,46 @@ def reinforce_plus_plus_baseline(
     return (advantages, advantages), {}
 
 
+@register_advantage("on_policy_distill")
+@torch.no_grad()
+def on_policy_distill(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    reward_weight: float = 0.0,
+) -> Result:
+    """On-policy distillation (GKD, Agarwal et al. 2024, arXiv 2306.13649; the recipe of Thinking
+    Machines' "On-Policy Distillation", 2025, that verl and ROLL ship): the reference is the
+    teacher, and every sampled token is scored by the negative single-sample reverse KL
+        r_t = −(log π_old(x_t) − log π_teacher(x_t))                     (k1 on the sampled token)
+    with π_old the policy that sampled (``old_logprobs`` [B,T]) and π_teacher the reference's
+    log-probs (``ref_logprobs`` [B,T]). A = return-to-go of r with ``gamma`` (carried across masked
+    tokens like ``reinforce``): γ = 0 gives each token its own term (the recipe), γ = 1 the sum of
+    the reverse KL still ahead. No baseline: E[A] is minus the expected reverse KL, which the
+    update lowers. ``reward_weight`` w > 0 adds w·(s_i − mean_batch(s)) on every token of
+    sequence i (s_i = the shaped task reward, ``token_level_rewards.sum(-1)``), for a mix of
+    distillation and the task's reward. returns = A. Metric distill/reverse_kl: mean per-token r's
+    negation over the unmasked tokens.
+    """
+    if old_logprobs is None or ref_logprobs is None:
+        raise ValueError("advantage 'on_policy_distill' needs the sampling policy's and the teacher's per-token "
+                         "log-probs (old_logprobs and ref_logprobs [B,T]) from the reference stage")
+    mask = response_mask.float()
+    token_kl = (old_logprobs.float() - ref_logprobs.float()) * mask     # [B,T]
+    advantages = _discounted_returns(-token_kl, mask, gamma)           # [B,T]
+    if reward_weight:
+        scores = token_level_rewards.float().sum(-1)                   # [B]
+        advantages = advantages + reward_weight * (scores - scores.mean()).unsqueeze(-1) * mask
+    n = mask.sum().clamp(min=1.0)
+    return (advantages, advantages), {"distill/reverse_kl": float(token_kl.sum() / n)}
+
+
 @register_advantage("gae")
 @torch.no_grad()
 def gae(

@@ -8,6 +8,7 @@ and a k3 KL loss (DeepSeekMath, arXiv 2402.03300); see docs/algorithms.md for ev
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,8 +35,16 @@ class AlgorithmConfig(BaseModel):
         description="Advantage estimator by registered name: grpo (group-normalised, DeepSeekMath "
         "2402.03300), rloo (leave-one-out, 2402.14740), reinforce (scalar batch/EMA baseline), "
         "reinforce_plus_plus (batch-whitened returns, 2501.03262), reinforce_plus_plus_baseline "
-        "(group mean then batch whitening), gae (needs a critic; 1506.02438). Group estimators need "
-        "several samples per prompt; gae costs a critic model.",
+        "(group mean then batch whitening), gae (needs a critic; 1506.02438), on_policy_distill (each "
+        "sampled token's advantage is minus its reverse KL to the teacher = model.reference_path, "
+        "summed ahead with gamma; docs/post-training.md). Group estimators need several samples per "
+        "prompt; gae costs a critic model.",
+    )
+    distill_reward_weight: float = Field(
+        0.0, ge=0.0, le=100.0,
+        description="advantage on_policy_distill only: weight w of the task reward mixed into the "
+        "distillation advantage, w·(reward − the batch's mean reward) on every token of a sample. 0 = "
+        "the teacher alone (the scoring stage still runs and its reward is logged).",
     )
     norm_adv_by_std: bool = Field(
         True,
@@ -300,8 +309,20 @@ class AlgorithmConfig(BaseModel):
         kl_in_rewards = not self.use_kl_loss and self.kl_coef > 0  # the penalty needs π_old before the advantages
         return self.old_logprobs == "auto" and self.ppo_epochs == 1 and rows <= mini_batch_size and not kl_in_rewards
 
+    def reference_needed(self) -> bool:
+        """Whether the update reads the reference's log-probs: a KL term (kl_coef > 0) or an advantage
+        estimator that declares ``ref_logprobs`` (on_policy_distill: the reference is the teacher)."""
+        return self.kl_coef > 0 or "ref_logprobs" in inspect.signature(registry.get_advantage(self.advantage)).parameters
+
     @model_validator(mode="after")
     def _consistent(self) -> "AlgorithmConfig":
+        if self.distill_reward_weight and self.advantage != "on_policy_distill":
+            raise ValueError(f"algorithm.distill_reward_weight={self.distill_reward_weight} is read by advantage "
+                             f"'on_policy_distill' only, not {self.advantage!r}: set it to 0")
+        if self.advantage == "on_policy_distill" and not self.use_kl_loss and self.kl_coef > 0:
+            raise ValueError(f"algorithm.advantage 'on_policy_distill' is already the reverse KL to the teacher (the "
+                             f"reference) on every token; KL in the reward (use_kl_loss false, kl_coef={self.kl_coef}) "
+                             "would add it a second time: set kl_coef: 0 (or use_kl_loss: true for an extra KL loss)")
         if self.difficulty_low > self.difficulty_high:
             raise ValueError(
                 f"algorithm.difficulty_low = {self.difficulty_low} must be <= "

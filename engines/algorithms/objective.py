@@ -61,12 +61,13 @@ def compute_advantages(
     gae only) → (advantages [B,T], returns [B,T], metrics). ``ema_baseline`` is the reinforce
     EMA state; the new value comes back in ``metrics["advantage/ema_baseline"]``. ``extra``: further
     per-batch tensors an estimator declares (gigpo: turn_index [B,T], step_rewards [B,K],
-    step_state_ids [B,K] from ``gigpo_step_tensors``).
+    step_state_ids [B,K] from ``gigpo_step_tensors``; on_policy_distill: old_logprobs and
+    ref_logprobs [B,T]).
     """
     fn = get_advantage(cfg.advantage)
     opts = _declared(fn, norm_by_std=cfg.norm_adv_by_std, baseline=cfg.reinforce_baseline,
                      ema_baseline=ema_baseline, ema_decay=cfg.reinforce_ema_decay,
-                     step_weight=cfg.gigpo_step_weight, **(extra or {}))
+                     step_weight=cfg.gigpo_step_weight, reward_weight=cfg.distill_reward_weight, **(extra or {}))
     (advantages, returns), metrics = fn(token_level_rewards, response_mask, index, values=values,
                                         gamma=cfg.gamma, lam=cfg.lam, **opts)
     mask = response_mask.float()

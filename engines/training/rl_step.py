@@ -90,12 +90,14 @@ def prepare_update(batch: RolloutBatch, cfg: AlgorithmConfig, state: AlgorithmSt
         current_kl = float(masked_mean(get_kl(cfg.kl_estimator)(old, ref), mask.float()))
         ctrl.update(current_kl, n_steps=batch.size)
         metrics["actor/kl_ctrl_current_kl"] = current_kl
-    extra = None
+    extra = {}
+    if batch.old_logprobs is not None and batch.ref_logprobs is not None:  # read by an estimator that declares them
+        extra.update(old_logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs)
     if cfg.advantage == "gigpo":  # step-level credit needs the per-turn structure of agentic rows
         if batch.turn_index is None:
             raise ValueError("advantage 'gigpo' needs agentic rollout columns ['state_keys', 'turn_index', 'turn_rewards'] "
                              "(workflows/agentic.py)")
-        extra = {"turn_index": batch.turn_index, "step_rewards": batch.step_rewards, "step_state_ids": batch.step_state_ids}
+        extra.update(turn_index=batch.turn_index, step_rewards=batch.step_rewards, step_state_ids=batch.step_state_ids)
     adv, returns, m = compute_advantages(cfg, rewards, mask, batch.group_index, batch.values, ema_baseline=state.ema_baseline,
                                          extra=extra)
     metrics.update(m)

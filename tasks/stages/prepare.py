@@ -19,7 +19,7 @@ import torch
 from flytekit import Cache, task
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from configs.checks import check_kind
+from configs.checks import check_kind, tagged_kind
 from configs.schema import load_config
 from engines.data.datasets import decode_nested, encode_nested
 from engines.agentic.env_manager import solved_episodes
@@ -51,8 +51,9 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
     """Validate the config with the command line's `overrides` ("key=value" items, `--set`), importing
     every reward function it names (fails here, before any cluster, naming field/value/expectation),
     print it, and open the MLflow parent run -- or find the run to resume (same name + config hash)
-    unless `restart`. `kind`: the workflow's ("rl", "sft", "dpo"); a config for another is refused
-    (configs/checks.py `check_kind`), and the MLflow run is tagged `flyroll.kind`."""
+    unless `restart`. `kind`: the workflow's ("rl", "on_policy_distill", "sft", "dpo", "distill"); a config
+    for another is refused (configs/checks.py `check_kind`), and the MLflow run is tagged `flyroll.kind`
+    (`tagged_kind`: an RL run with advantage on_policy_distill is "on_policy_distill")."""
     cfg = load_config(config or None, list(overrides or []))
     check_kind(cfg, kind)
     console.print(resolved_config(config, overrides, cfg))
@@ -85,7 +86,7 @@ def prepare_run(config: str, restart: bool, overrides: typing.Optional[typing.Li
     for orphan in tracking.end_orphaned_runs(tracking_uri, cfg.run.experiment):  # left RUNNING by a killed process
         console.print(f"[yellow]mlflow run {orphan} was left RUNNING by a process that is gone: marked KILLED[/]")
     mlflow_run = None if restart else tracking.find_run(tracking_uri, cfg.run.experiment, "flyroll.run_id", run_id)
-    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id(), "flyroll.kind": kind,
+    tags = {"flyroll.run_id": run_id, "flyroll.config_hash": chash, "flyte.execution_id": execution_id(), "flyroll.kind": tagged_kind(cfg, kind),
             "flyroll.registered_model": cfg.run.registered_model}
     if mlflow_run is None:
         # a local SQLite store keeps its artifacts in the run folder too (MLflow's default is ./mlruns)

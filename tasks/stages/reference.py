@@ -7,7 +7,8 @@ The reference is the `reference` PolicyRef the workflow passes: `model.reference
 (imported and vocabulary-checked by tasks/stages/prepare.py `reference_policy`), else the starting policy.
 
 Forwards that cannot change the update are skipped: with `algorithm.kl_coef: 0` the reference
-model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0), and the policy
+model is not run (`ref_logprobs` = `old_logprobs`, so every KL term is exactly 0) unless the advantage
+estimator reads it (`AlgorithmConfig.reference_needed`: on_policy_distill, whose reference is the teacher), and the policy
 is not run with `algorithm.old_logprobs: behaviour`, nor with `auto` when the update is one
 on-policy pass (`AlgorithmConfig.old_logprobs_in_update`: the trainer then takes π_old from its own
 forward). Without the policy forward `old_logprobs` = the engine's `behaviour_logprobs`. The table
@@ -46,7 +47,7 @@ def reference_forward(spec: RunSpec, batch: pd.DataFrame, policy: PolicyRef, ref
     with stage(spec, "reference", iteration, metrics):
         (worker,) = role_actors(cfg, spec.run_id, "reference")
         models = {"reference": reference.key, "policy": policy.key}
-        if cfg.algorithm.kl_coef == 0:
+        if not cfg.algorithm.reference_needed():
             models.pop("reference")
         if cfg.algorithm.old_logprobs == "behaviour" or cfg.algorithm.old_logprobs_in_update(
                 len(batch), cfg.training.mini_batch_size):

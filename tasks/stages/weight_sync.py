@@ -18,6 +18,7 @@ import ray
 from flytekit import task
 from flytekit.types.directory import FlyteDirectory
 
+from configs.checks import tagged_kind
 from infra import tracking
 from infra.ray_session import shared_local_ray
 from infra.resources import task_resources
@@ -39,10 +40,12 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
     checkpoint.publish_every > 1 it decides, as in `train`, whether this version is published at all
     (tasks/loop/publish_plan.py); a skipped one returns its key unpublished. `kind` "sft" or "dpo"
     (tasks/stages/post_training.py): every version is published, with no rollout table (its metadata
-    and tags say `kind` instead), and no generation actor is updated."""
+    and tags say `kind` instead), and no generation actor is updated. An RL version of on-policy
+    distillation carries its rollout table and kind "on_policy_distill"."""
     cfg = config_of(spec)
     kept = shared_local_ray() if actor_kept is None else actor_kept
     rl = kind == "rl"
+    shown = tagged_kind(cfg, kind)   # an RL run with advantage on_policy_distill says so (configs/checks.py)
     if rl and not publish_due(iteration, cfg.checkpoint.publish_every, cfg.loop.iterations, cfg.loop.eval_every, kept):
         return _skip(spec, checkpoint, parent, iteration)
     metrics: dict[str, float] = {}
@@ -65,7 +68,7 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
             "flyroll.run_id": spec.run_id, "flyroll.iteration": str(iteration), "flyroll.config_hash": spec.config_hash,
             "flyroll.parent": ancestor, "flyroll.parent_model_version": parent_model_version,
             "flyroll.dataset": dataset.train_key, "flyroll.eval_dataset": dataset.eval_key,
-            **({"flyroll.rollout_table": rollouts} if rl else {}), "flyroll.kind": kind,
+            **({"flyroll.rollout_table": rollouts} if rl else {}), "flyroll.kind": shown,
             "flyte.execution_id": execution_id(), "flyroll.child_run_id": child,
             **({"flyroll.unpublished": ",".join(str(s["iteration"]) for s in skipped)} if skipped else {}),
         }
@@ -80,7 +83,8 @@ def publish_weights(spec: RunSpec, checkpoint: FlyteDirectory, parent: PolicyRef
         manifest = store.publish(local, key, kind="checkpoint", producer="publish_weights", parents=[ancestor],
                                  execution_id=execution_id(),
                                  metadata={"iteration": iteration, "config_hash": spec.config_hash, "dataset": dataset.train_key,
-                                           **({"rollout_table": rollouts} if rl else {"kind": kind}), "model_version": version,
+                                           **({"rollout_table": rollouts} if rl else {}), **({"kind": shown} if shown != "rl" else {}),
+                                           "model_version": version,
                                            "registered_model": config_of(spec).run.registered_model,
                                            "mlflow_run_id": spec.mlflow_run_id, "mlflow_child_run_id": child,
                                            "weight_sync_started": started, **deferred,

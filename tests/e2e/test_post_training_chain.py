@@ -41,8 +41,8 @@ def _config(tmp: Path, name: str, **sections) -> Path:
     return path
 
 
-def _run(tmp: Path, workflow: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([PYFLYTE, "run", str(REPO / f"workflows/{workflow}.py"), workflow, *args],
+def _run(tmp: Path, workflow: str, *args: str, entry: str = "") -> subprocess.CompletedProcess:
+    proc = subprocess.run([PYFLYTE, "run", str(REPO / f"workflows/{workflow}.py"), entry or workflow, *args],
                           cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
@@ -89,6 +89,13 @@ def chain(tmp_path_factory):
     _run(tmp, "distill", "--config", str(_config(tmp, "distill", model=student, distill=distill)))
     _run(tmp, "distill", "--config", str(_config(tmp, "distill2", model=student,
                                                  distill={**distill, "divergence": "jsd", "jsd_beta": 0.3})))
+    # on-policy distillation of the DPO policy into the small student: 1 iteration of 4 prompts x 2 samples
+    on_policy_distill = _config(tmp, "opd", model={**student, "reference_path": distill["teacher"]},
+                                data={"train_size": 16, "eval_size": 8},
+                                rollout={"prompts_per_iteration": 4, "samples_per_prompt": 2},
+                                algorithm={"advantage": "on_policy_distill", "gamma": 0.0, "kl_coef": 0.0},
+                                training={"mini_batch_size": 8}, loop={"iterations": 1, "eval_every": 1})
+    _run(tmp, "distill", "--config", str(on_policy_distill), entry="distill_on_policy")
     # DPO from on-policy pairs, from the SFT policy: one round of 4 prompts x 4 samples on the e2e reward
     on_policy = _config(tmp, "onpolicy", model={"path": sft_run.data.tags["flyroll.final_policy"]},
                         data={"train_size": 16, "eval_size": 8},
@@ -100,6 +107,7 @@ def chain(tmp_path_factory):
     distills = sorted([r for r in c.search_runs([exp.experiment_id]) if r.data.tags.get("flyroll.kind") == "distill"
                        and "mlflow.parentRunId" not in r.data.tags], key=lambda r: r.info.start_time)
     return {"tmp": tmp, "client": c, "sft": sft_run, "rl": rl_run, "dpo": dpo_run, "distill": distills, "on_policy": on_policy_run,
+            "on_policy_distill": _parent_run(c, exp, "on_policy_distill"),
             "sft_out": first.stdout + first.stderr, "dpo_out": dpo.stdout + dpo.stderr, "store": tmp / "runs" / "store"}
 
 
@@ -208,3 +216,25 @@ def test_on_policy_dpo_trains_on_the_best_and_worst_of_its_samples(chain):
     v1 = _manifest(chain["store"], f"runs/{run_id}/policy/v0001")
     assert v1["metadata"]["kind"] == "dpo" and v1["parents"] == [chain["sft"].data.tags["flyroll.final_policy"]]
     assert v1["metadata"]["dataset"].startswith("datasets/synthetic-")
+
+
+def test_on_policy_distillation_scores_the_students_samples_with_the_teacher(chain):
+    """distill_on_policy: the RL loop with the teacher as reference; its rollout table holds the teacher's
+    log-probs of the student's own tokens (not a copy of π_old, as a kl_coef 0 RL run would), the update
+    logs the reverse KL it trained on, and the version says its kind in the manifest and lineage."""
+    import pandas as pd
+
+    c, run, store = chain["client"], chain["on_policy_distill"], chain["store"]
+    teacher = chain["dpo"].data.tags["flyroll.final_policy"]
+    assert run.data.tags["flyroll.reference"] == teacher
+    assert run.data.metrics["distill/reverse_kl"] > 0      # the student (10 bootstrap steps) is far from its teacher
+    v1 = _manifest(store, f"runs/{run.data.tags['flyroll.run_id']}/policy/v0001")
+    assert v1["metadata"]["kind"] == "on_policy_distill" and v1["parents"][0].startswith("models/tiny-")
+    table = pd.read_parquet(next((store / v1["metadata"]["rollout_table"]).glob("*.parquet")))
+    old = [x for row in table["old_logprobs"] for x in row]
+    ref = [x for row in table["ref_logprobs"] for x in row]
+    assert len(old) == len(ref) > 0 and max(abs(a - b) for a, b in zip(old, ref)) > 0.1
+    proc = subprocess.run([FLYROLL, "lineage", run.data.tags["flyroll.final_policy"], "--store", str(store), "--tracking-uri",
+                           f"sqlite:///{chain['tmp'] / 'runs' / 'mlflow.db'}"], cwd=chain["tmp"], env=_env(chain["tmp"]),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "on_policy_distill iteration 1" in proc.stdout, proc.stdout + proc.stderr

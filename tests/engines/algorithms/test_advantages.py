@@ -1,6 +1,7 @@
 """Advantage estimators: hand-worked values, and equivalence with a naive per-sample Python loop
 on random shapes, group layouts, masks and seeds."""
 
+import inspect
 import math
 import statistics
 
@@ -258,7 +259,10 @@ def test_group_baseline_declarations_match_the_estimators():
     mask = torch.ones(4, 2)
     index = torch.arange(4)                                                     # G = 1: four groups of one
     values = torch.tensor([[0.1, 0.2], [0.3, 0.1], [0.0, 0.4], [0.2, 0.2]])
+    logps = {"old_logprobs": torch.tensor([[-1.0, -2.0]] * 4), "ref_logprobs": torch.tensor([[-0.5, -1.0]] * 4)}
     for name in sorted(set(ADVANTAGES) - {"gigpo"}):
-        (adv, _), _ = get_advantage(name)(rewards, mask, index, values=values)
+        fn = get_advantage(name)   # on_policy_distill scores tokens by the teacher's log-probs, not by the group
+        extra = {k: v for k, v in logps.items() if k in inspect.signature(fn).parameters}
+        (adv, _), _ = fn(rewards, mask, index, values=values, **extra)
         assert bool((adv == 0).all()) == (name in GROUP_BASELINE), name
     assert "gigpo" in GROUP_BASELINE
