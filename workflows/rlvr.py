@@ -94,9 +94,11 @@ def rlvr(config: str = "", restart: bool = False, set: typing.List[str] = []) ->
     return rl_run(config, restart, set, kind="rl")
 
 
-def rl_run(config: str, restart: bool, overrides, kind: str) -> PolicyRef:
-    """The body of `rlvr` (and of workflows/distill.py `distill_on_policy`, `kind` "on_policy_distill"),
-    called while a workflow is compiled; `overrides`: a list or a task's output."""
+def rl_run(config: str, restart: bool, overrides, kind: str, before_finalize=None) -> PolicyRef:
+    """The body of `rlvr` (and of workflows/distill.py `distill_on_policy`, `kind` "on_policy_distill",
+    and of workflows/post_train.py), called while a workflow is compiled; `overrides`: a list or a task's
+    output. `before_finalize(spec, out, dataset)`: a node to run after the loop and before the report
+    (post_train's champion/challenger decision)."""
     spec, model_spec = prepare_run(config=config, restart=restart, overrides=overrides, kind=kind)
     base = bootstrap_policy(model_spec=model_spec)
     dataset = make_dataset(spec=spec, base=base)  # prompts bounded by the policy's tokenizer and context
@@ -104,5 +106,8 @@ def rl_run(config: str, restart: bool, overrides, kind: str) -> PolicyRef:
     start = resume_point(spec=spec, base=base, model_spec=model_spec)
     last, eval_every = loop_bounds(spec=spec)
     out = rl_loop(spec=spec, origin=base, start=start, reference=reference, dataset=dataset, last=last, eval_every=eval_every)
-    return finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
+    final = finalize(spec=spec, policy=out.policy, final_accuracy=out.accuracy, samples=out.samples)
+    if before_finalize is not None:
+        before_finalize(spec, out, dataset) >> final
+    return final
 

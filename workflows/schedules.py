@@ -86,21 +86,40 @@ def _measured_at_start(spec: RunSpec) -> float | None:
 @task(**task_resources("promotion"))
 def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: PolicyRef, dataset: DatasetRef) -> Decision:
     """Move the champion alias to `trained` iff its eval accuracy beats the champion's score; record both scores."""
-    model, alias = config_of(spec).run.registered_model, config_of(spec).run.champion_alias
     measured = _measured_at_start(spec)
-    recorded = None
-    if champion.model_version:
-        tags = tracking.model_version(spec.tracking_uri, model, champion.model_version).tags
-        if tags.get("flyroll.eval_accuracy") and tags.get("flyroll.eval_dataset") == dataset.eval_key:
-            recorded = float(tags["flyroll.eval_accuracy"])
+    recorded = recorded_score(spec, champion, dataset)
     score, source = (recorded, "recorded") if recorded is not None else (measured, "measured at iteration 0")
     if score is None:
         raise ValueError(f"no score for the champion {champion.key}: neither a recorded flyroll.eval_accuracy on the "
                          f"{dataset.eval_key} split nor an eval/accuracy at step 0 of MLflow run {spec.mlflow_run_id}")
+    promoted = decide(spec, trained, accuracy, champion, score, source, dataset, prefix="flyroll.retrain",
+                      extra={"flyroll.retrain.champion_accuracy_measured": "" if measured is None else f"{measured:.6g}"})
+    return Decision(trained=trained, champion=trained if promoted else champion, promoted=promoted)
+
+
+def recorded_score(spec: RunSpec, champion: PolicyRef, dataset: DatasetRef) -> float | None:
+    """The champion's score recorded on its model version (`flyroll.eval_accuracy`) when it was measured on
+    `dataset`'s eval split (`flyroll.eval_dataset`), else None."""
+    if not champion.model_version:
+        return None
+    tags = tracking.model_version(spec.tracking_uri, config_of(spec).run.registered_model, champion.model_version).tags
+    if tags.get("flyroll.eval_accuracy") and tags.get("flyroll.eval_dataset") == dataset.eval_key:
+        return float(tags["flyroll.eval_accuracy"])
+    return None
+
+
+def decide(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: PolicyRef, score: float | None, source: str,
+           dataset: DatasetRef, prefix: str, extra: dict | None = None) -> bool:
+    """Promote `trained` (move the champion alias to its model version) iff it is a new registered version and
+    its eval `accuracy` beats the champion's `score` (None: no champion yet, so any new version wins). Both
+    scores and the decision become tags of the new model version and of the run (`prefix`.*). Returns
+    whether it was promoted."""
+    model, alias = config_of(spec).run.registered_model, config_of(spec).run.champion_alias
     new = trained.key != champion.key and bool(trained.model_version)
-    promoted = new and accuracy > score
+    promoted = new and (score is None or accuracy > score)
+    shown = "none" if score is None else f"{score:.6g}"
     scores = {"flyroll.eval_accuracy": f"{accuracy:.6g}", "flyroll.eval_dataset": dataset.eval_key,
-              "flyroll.champion_eval_accuracy": f"{score:.6g}", "flyroll.champion_score_source": source,
+              "flyroll.champion_eval_accuracy": shown, "flyroll.champion_score_source": source,
               "flyroll.champion_model_version": champion.model_version, "flyroll.promoted": str(promoted).lower()}
     if new:
         tracking.set_model_version_tags(spec.tracking_uri, model, trained.model_version, scores)
@@ -108,16 +127,15 @@ def promote(spec: RunSpec, trained: PolicyRef, accuracy: float, champion: Policy
         tracking.set_alias(spec.tracking_uri, model, alias, trained.model_version)
     after = trained if promoted else champion
     tracking.set_tags(spec.tracking_uri, spec.mlflow_run_id, {
-        "flyroll.retrain.candidate_accuracy": f"{accuracy:.6g}", "flyroll.retrain.champion_accuracy": f"{score:.6g}",
-        "flyroll.retrain.champion_score_source": source,
-        "flyroll.retrain.champion_accuracy_measured": "" if measured is None else f"{measured:.6g}",
-        "flyroll.retrain.candidate": trained.key, "flyroll.retrain.candidate_model_version": trained.model_version,
-        "flyroll.retrain.decision": "promoted" if promoted else "kept",
-        "flyroll.retrain.champion_after": after.model_version})
+        f"{prefix}.candidate_accuracy": f"{accuracy:.6g}", f"{prefix}.champion_accuracy": shown,
+        f"{prefix}.champion_score_source": source, f"{prefix}.candidate": trained.key,
+        f"{prefix}.candidate_model_version": trained.model_version,
+        f"{prefix}.decision": "promoted" if promoted else "kept", f"{prefix}.champion_after": after.model_version,
+        **(extra or {})})
     verdict = (f"[bold green]promoted[/] model version {trained.model_version} to {alias}" if promoted
                else f"[bold yellow]kept[/] {alias} {champion.model_version or '(none: base model)'}")
-    console.print(f"retrain: eval/accuracy {accuracy:.3f} vs champion {score:.3f} ({source}) → {verdict}")
-    return Decision(trained=trained, champion=after, promoted=promoted)
+    console.print(f"{prefix.split('.')[-1]}: eval/accuracy {accuracy:.3f} vs champion {shown} ({source}) → {verdict}")
+    return promoted
 
 
 @workflow

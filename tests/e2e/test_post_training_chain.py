@@ -73,7 +73,7 @@ def chain(tmp_path_factory):
     rl["run"].update(output_dir=str(tmp / "runs"), name="rl")
     rl["loop"] = {"iterations": 1, "eval_every": 1}
     (tmp / "rl.yaml").write_text(yaml.safe_dump(rl))
-    first = _run(tmp, "post_train", "--sft_config", str(sft_cfg), "--rl_config", str(tmp / "rl.yaml"))
+    first = _run(tmp, "post_train", "--sft_config", str(sft_cfg), "--rl_config", str(tmp / "rl.yaml"), "--promote")
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
     exp = c.get_experiment_by_name("flyroll")
     sft_run, rl_run = _parent_run(c, exp, "sft"), _parent_run(c, exp, "rl")
@@ -238,3 +238,47 @@ def test_on_policy_distillation_scores_the_students_samples_with_the_teacher(cha
                            f"sqlite:///{chain['tmp'] / 'runs' / 'mlflow.db'}"], cwd=chain["tmp"], env=_env(chain["tmp"]),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "on_policy_distill iteration 1" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_post_train_promotes_its_rl_result_and_measures_a_champion_without_a_score(chain):
+    """--promote: the first RL result becomes the champion (none before). Then, with a champion set by hand
+    that has no score on the RL eval split (the SFT version), `challenge` measures it there (the same
+    accuracy `flyroll eval` gives), records it, keeps it against a worse challenger and compares the next
+    challenger with the recorded score."""
+    from configs.schema import load_config
+    from tasks.run.types import DatasetRef, PolicyRef, RunSpec
+    from workflows.post_train import challenge
+
+    c, rl, uri = chain["client"], chain["rl"], f"sqlite:///{chain['tmp'] / 'runs' / 'mlflow.db'}"
+    assert rl.data.tags["flyroll.promotion.decision"] == "promoted"
+    assert rl.data.tags["flyroll.promotion.champion_score_source"] == "no champion of flyroll-policy yet"
+    mv = c.get_model_version_by_alias("flyroll-policy", "champion")
+    assert mv.tags["flyroll.key"] == rl.data.tags["flyroll.final_policy"] and mv.tags["flyroll.promoted"] == "true"
+
+    sft_key = chain["sft"].data.tags["flyroll.final_policy"]
+    sft_mv = [v for v in c.search_model_versions("name='flyroll-policy'") if v.tags.get("flyroll.key") == sft_key][0]
+    assert "flyroll.eval_accuracy" not in sft_mv.tags
+    c.set_registered_model_alias("flyroll-policy", "champion", sft_mv.version)
+    cfg = load_config(str(chain["tmp"] / "rl.yaml"))
+    spec = RunSpec(cfg.to_json(), cfg.hash(), rl.data.tags["flyroll.run_id"], str(chain["store"]), uri, rl.info.run_id)
+    dataset = DatasetRef(train_key=mv.tags["flyroll.dataset"], eval_key=mv.tags["flyroll.eval_dataset"])
+    candidate = PolicyRef(key=mv.tags["flyroll.key"], version=1, model_version=mv.version)
+    assert challenge.task_function(spec=spec, enabled=True, candidate=candidate, accuracy=-1.0, dataset=dataset) is False
+    tags = c.get_run(rl.info.run_id).data.tags
+    assert tags["flyroll.promotion.champion_score_source"] == "measured by post_train"
+    assert tags["flyroll.promotion.decision"] == "kept"
+    assert c.get_model_version_by_alias("flyroll-policy", "champion").version == sft_mv.version
+    recorded = c.get_model_version("flyroll-policy", sft_mv.version).tags
+    assert recorded["flyroll.eval_dataset"] == dataset.eval_key
+    table = next((chain["store"] / dataset.eval_key).glob("*.parquet"))
+    proc = subprocess.run([FLYROLL, "eval", "--store", str(chain["store"]), "--model", sft_key, "--data", str(table),
+                           "--config", str(chain["tmp"] / "rl.yaml")], cwd=REPO, env=_env(chain["tmp"]),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert float(recorded["flyroll.eval_accuracy"]) == pytest.approx(json.loads(proc.stdout)["accuracy"], abs=1e-6)
+    # the next challenger is compared with the recorded score, not measured again
+    assert challenge.task_function(spec=spec, enabled=True, candidate=candidate, accuracy=2.0, dataset=dataset) is True
+    tags = c.get_run(rl.info.run_id).data.tags
+    assert tags["flyroll.promotion.champion_score_source"] == "recorded" and tags["flyroll.promotion.decision"] == "promoted"
+    assert c.get_model_version_by_alias("flyroll-policy", "champion").version == mv.version
+    assert challenge.task_function(spec=spec, enabled=False, candidate=candidate, accuracy=9.0, dataset=dataset) is False

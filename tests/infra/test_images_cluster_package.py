@@ -118,7 +118,8 @@ def test_package_holds_the_scheduled_plans_and_every_task_names_the_cpu_image(tm
     assert spec["env"]["FLYROLL_PROFILE"] == "cpu" and spec["env"]["FLYROLL_IMAGE_REGISTRY"] == "localhost:30000"
     images = _task_images(files)
     stages = {"tasks.stages.rollout.rollout", "tasks.stages.training.train", "tasks.stages.weight_sync.publish_weights",
-              "tasks.stages.evaluation.evaluate", "workflows.schedules.promote", "workflows.rlvr.rl_loop"}
+              "tasks.stages.evaluation.evaluate", "workflows.schedules.promote", "workflows.rlvr.rl_loop",
+              "workflows.post_train.challenge"}
     assert stages <= set(images), sorted(images)
     assert set(images.values()) == {spec["image"]}, images
 
@@ -210,6 +211,7 @@ def test_post_train_plan_schedules_sft_then_rl_and_refuses_a_swapped_pair():
     defaults = {k: p.default for k, p in plan.parameters.parameters.items()}
     assert defaults["sft_config"].scalar.primitive.string_value == "configs/sft_tiny.yaml"
     assert defaults["rl_config"].scalar.primitive.string_value == "configs/tiny.yaml"
+    assert defaults["promote"].scalar.primitive.boolean is True   # champion/challenger on every scheduled run
     with pytest.raises(ValueError, match="workflows/sft.py needs the config's sft section"):
         post_train_plan("swapped", "configs/tiny.yaml", "configs/sft_tiny.yaml", "0 5 * * 0")
     with pytest.raises(ConfigError, match="sft.nope"):
