@@ -12,7 +12,7 @@ import types
 # PPO-clip, k3 KL loss with beta 0.001). Plain values: no pydantic on the GPU box. After the move of
 # the config to engines/algorithms/config.py, `algorithm()` may build that class instead.
 ALGORITHM = {
-    "advantage": "grpo", "norm_adv_by_std": True, "gamma": 1.0, "lam": 1.0, "reinforce_baseline": "batch",
+    "advantage": "grpo", "distill_reward_weight": 0.0, "norm_adv_by_std": True, "gamma": 1.0, "lam": 1.0, "reinforce_baseline": "batch",
     "reinforce_ema_decay": 0.9, "whiten_advantages": False, "adv_clip": None, "gigpo_step_weight": 1.0,
     "policy_loss": "ppo_clip", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": None,
     "loss_agg_mode": "token-mean", "loss_scale_factor": None, "tis_cap": None, "tis_level": "token",

@@ -253,7 +253,7 @@ def test_estimators_without_a_group_baseline_take_one_sample_per_prompt(tmp_path
     from engines.algorithms.registry import ADVANTAGES, GROUP_BASELINE
 
     for advantage in sorted(set(ADVANTAGES) - GROUP_BASELINE - {"gae"}):
-        # on_policy_distill's reference is its teacher, which it requires (tests/engines/algorithms/test_on_policy_distill.py)
+        # on_policy_distill's reference is its teacher, which it requires (tests/engines/algorithms/test_advantages_on_policy_distill.py)
         teacher = "model:\n  reference_path: package:teacher\n" if advantage == "on_policy_distill" else ""
         load_config(write(tmp_path, f"{teacher}rollout:\n  samples_per_prompt: 1\nalgorithm:\n  advantage: {advantage}\n"))
 
